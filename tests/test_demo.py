@@ -1,0 +1,125 @@
+"""`python -m jls.demo`: its table, its files, and the claim it makes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jls import demo
+
+
+def _run(tmp_path, *args):
+    return demo.main(["--out", str(tmp_path), "--no-progress", *args])
+
+
+def test_short_run_prints_the_table_and_writes_the_files(tmp_path, capsys):
+    rows = _run(tmp_path, "--steps", "30")
+    out = capsys.readouterr().out
+    header, rule, *lines = out.splitlines()[:6]
+    for column in ("final loss", "test acc", "skipped", "final scale", "underflow"):
+        assert column in header
+    assert set(rule) == {"-"}
+    assert [line.split()[0] for line in lines] == list(demo.MODES)
+
+    png = (tmp_path / "demo.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rows"] == rows
+    assert summary["config"]["steps"] == 30
+    by_mode = {r["mode"]: r for r in rows}
+    assert list(by_mode) == list(demo.MODES)
+    for row in rows:
+        assert row["steps"] == 30
+        assert math.isfinite(row["final_loss"]) and row["final_loss"] < 2.31
+        assert 0.0 <= row["test_accuracy"] <= 1.0
+        assert 0.0 <= row["underflow_mean"] <= 1.0
+        assert row["seconds"] >= 0.0
+    # f32 is compared with itself: the same computation, so exactly 0.
+    assert by_mode["f32"]["underflow_mean"] == 0.0
+    # Plain optax modes have no scale and cannot skip.
+    for mode in ("f32", "f16"):
+        assert by_mode[mode]["skipped_steps"] is None
+        assert by_mode[mode]["final_scale"] is None
+    scale = by_mode["f16-jls"]["final_scale"]
+    assert math.frexp(scale)[0] == 0.5 and scale >= 2.0**15
+    assert by_mode["bf16"]["final_scale"] == 1.0
+    # The table prints the same numbers.
+    jls_line = next(line for line in lines if line.startswith("f16-jls"))
+    assert f"2**{int(math.log2(scale))}" in jls_line
+
+
+def test_modes_option_and_minibatches(tmp_path, capsys):
+    rows = _run(tmp_path, "--steps", "10", "--modes", "f16-jls,f32", "--batch", "64")
+    assert [r["mode"] for r in rows] == ["f16-jls", "f32"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("f16-jls") and lines[3].startswith("f32")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--modes", "f16,fp8"], "modes must be a comma-separated subset"),
+        (["--steps", "0"], "must be at least 1"),
+    ],
+)
+def test_bad_options_are_refused_by_name(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        _run(tmp_path, *args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_batch_names_the_argument():
+    config = dataclasses.replace(demo.Config(), steps=1, batch=5000)
+    with pytest.raises(ValueError, match="batch must be in"):
+        demo.train_mode("f16", config, demo.load_digits(0))
+
+
+def test_help_explains_the_options():
+    result = subprocess.run(
+        [sys.executable, "-m", "jls.demo", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    for option in ("--steps", "--seed", "--out", "--modes", "--batch"):
+        assert option in result.stdout
+    assert "float16" in result.stdout
+
+
+def test_underflow_fraction_counts_only_entries_nonzero_in_float32():
+    reference = {"a": jnp.array([1e-9, 3e-8, 0.0, 1.0]), "b": jnp.array([2e-10])}
+    as_f16 = {
+        k: v.astype(jnp.float16).astype(jnp.float32) for k, v in reference.items()
+    }
+    # 1e-9 and 2e-10 round to 0; 3e-8 rounds to 2**-24; 0.0 does not count.
+    assert float(demo.underflow_fraction(as_f16, reference)) == 0.5
+    assert float(demo.underflow_fraction(reference, reference)) == 0.0
+
+
+def test_the_demo_shows_the_problem_and_the_fix():
+    """The README's claim, on a shortened default run (deterministic on CPU).
+
+    Without scaling, float16 loses a large fraction of its gradient entries
+    to underflow and falls behind float32; with jls it loses almost none and
+    tracks float32; bfloat16, with float32's range, hardly ever underflows.
+    """
+    config = dataclasses.replace(demo.Config(), steps=800)
+    data = demo.load_digits(config.seed)
+    rows = {m: demo.train_mode(m, config, data)[0] for m in demo.MODES}
+    f32, f16, scaled, bf16 = (rows[m] for m in ("f32", "f16", "f16-jls", "bf16"))
+    assert f16["underflow_final"] > 0.3
+    assert scaled["underflow_final"] < 0.01
+    assert bf16["underflow_final"] < 0.001  # bfloat16 has float32's range
+    assert f16["final_loss"] > 1.5 * f32["final_loss"]
+    assert abs(scaled["final_loss"] - f32["final_loss"]) < 0.1 * f32["final_loss"]
+    assert scaled["final_scale"] > 2.0**24  # it had to grow to get there
+    assert np.isfinite([r["final_loss"] for r in rows.values()]).all()
