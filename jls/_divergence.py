@@ -20,7 +20,20 @@ from jls._state import LossScaleState, loss_scale_state
 
 
 class DivergenceError(RuntimeError):
-    """Raised when loss scaling keeps skipping steps: the run has diverged."""
+    """Raised when loss scaling keeps skipping steps: the run has diverged.
+
+    Example:
+      >>> import jls
+      >>> scaler = jls.dynamic_scale()
+      >>> state = scaler.init()
+      >>> for _ in range(5):
+      ...     state = scaler.adjust(state, False)
+      >>> try:
+      ...     jls.raise_if_diverged(state, max_consecutive_skips=3)
+      ... except jls.DivergenceError as e:
+      ...     print(type(e).__name__)
+      DivergenceError
+    """
 
 
 def _message(count: Any, limit: int, scale: Any) -> str:

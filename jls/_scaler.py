@@ -122,6 +122,19 @@ class LossScaler:
       min_scale: the scale never backs off below this.
       max_scale: the scale never grows above this.
       skip_nonfinite: whether a step with non-finite gradients is dropped.
+
+    Example:
+      >>> import jls
+      >>> scaler = jls.dynamic_scale(2.0**10, growth_interval=2)
+      >>> scaler.growth_interval, scaler == jls.dynamic_scale(1024.0, growth_interval=2)
+      (2, True)
+      >>> state = scaler.init()
+      >>> for finite in (True, True, False):
+      ...     state = scaler.adjust(state, finite)
+      ...     print(float(state.scale))
+      1024.0
+      2048.0
+      1024.0
     """
 
     init_scale: float = 2.0**15

@@ -29,6 +29,15 @@ class LossScaleState(NamedTuple):
         the latest) had non-finite gradients. Saturates at the int32 maximum.
       total_skips: int32 scalar, how many steps so far had non-finite
         gradients. Saturates at the int32 maximum.
+
+    Example:
+      >>> import jls
+      >>> state = jls.dynamic_scale(1024.0).init()
+      >>> float(state.scale), state.scale.dtype.name, state.total_skips.dtype.name
+      (1024.0, 'float32', 'int32')
+      >>> state = jls.dynamic_scale(1024.0).adjust(state, False)  # an overflow
+      >>> float(state.scale), int(state.consecutive_skips)
+      (512.0, 1)
     """
 
     scale: jax.Array

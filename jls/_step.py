@@ -45,6 +45,14 @@ class StepOutput(NamedTuple):
       loss_scale: the scale the step's (last) gradients were computed with.
       next_loss_scale: the scale for the next step.
       retries: how many times the gradients were recomputed (int32).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**10))
+      >>> step = jls.train_step(lambda p, x: jnp.sum(p * x), tx)
+      >>> _, _, out = step(jnp.ones(2), tx.init(jnp.ones(2)), jnp.array([1.0, jnp.inf]))
+      >>> bool(out.overflowed), float(out.loss_scale), float(out.next_loss_scale)
+      (True, 1024.0, 512.0)
     """
 
     loss: jax.Array

@@ -69,6 +69,15 @@ class LossScalingState(NamedTuple):
         like the parameters of scalar bools: which gradient leaves were not
         finite on the latest step (all ``False`` after a finite step).
         ``None`` otherwise.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.adam(1e-3))
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> type(state).__name__, float(state.loss_scale.scale)
+      ('LossScalingState', 32768.0)
+      >>> type(state.inner_state[0]).__name__
+      'ScaleByAdamState'
     """
 
     loss_scale: LossScaleState

@@ -81,6 +81,12 @@ class Config:
       init_scale: the initial loss scale of the ``f16-jls`` mode.
       growth_interval: finite steps between scale doublings in ``f16-jls``.
       chunk: steps per compiled call; underflow is measured once per chunk.
+
+    Example:
+      >>> from jls import demo
+      >>> config = demo.Config(steps=200, modes=("f16", "f16-jls"))
+      >>> config.depth, config.width, config.modes
+      (6, 128, ('f16', 'f16-jls'))
     """
 
     steps: int = 1500
@@ -101,6 +107,12 @@ def load_digits(seed: int) -> tuple[np.ndarray, ...]:
     Returns:
       ``(x_train, y_train, x_test, y_test)``: float32 pixels in [0, 1] and
       int32 labels.
+
+    Example:
+      >>> from jls import demo
+      >>> x_train, y_train, x_test, y_test = demo.load_digits(0)
+      >>> x_train.shape, x_test.shape, x_train.dtype.name, int(y_train.max())
+      ((1437, 64), (360, 64), 'float32', 9)
     """
     from sklearn.datasets import load_digits as _load
 
@@ -114,7 +126,15 @@ def load_digits(seed: int) -> tuple[np.ndarray, ...]:
 
 
 def init_params(key: jax.Array, sizes: Sequence[int]) -> list[dict[str, jax.Array]]:
-    """Float32 master weights of an MLP: LeCun-normal weights, zero biases."""
+    """Float32 master weights of an MLP: LeCun-normal weights, zero biases.
+
+    Example:
+      >>> import jax
+      >>> from jls import demo
+      >>> params = demo.init_params(jax.random.key(0), [64, 128, 10])
+      >>> [(p["w"].shape, p["w"].dtype.name) for p in params]
+      [((64, 128), 'float32'), ((128, 10), 'float32')]
+    """
     params = []
     for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
         key, sub = jax.random.split(key)
@@ -124,7 +144,15 @@ def init_params(key: jax.Array, sizes: Sequence[int]) -> list[dict[str, jax.Arra
 
 
 def forward(params: Any, x: jax.Array, dtype: Any) -> jax.Array:
-    """The MLP computed in ``dtype`` (weights cast from float32); float32 logits."""
+    """The MLP computed in ``dtype`` (weights cast from float32); float32 logits.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jls import demo
+      >>> params = demo.init_params(jax.random.key(0), [64, 32, 10])
+      >>> demo.forward(params, jnp.ones((5, 64)), jnp.float16).dtype.name
+      'float32'
+    """
     h = x.astype(dtype)
     for i, layer in enumerate(params):
         h = h @ layer["w"].astype(dtype) + layer["b"].astype(dtype)[None]
@@ -134,7 +162,17 @@ def forward(params: Any, x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def loss_fn(params: Any, x: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
-    """Mean softmax cross-entropy, computed in float32 from the logits."""
+    """Mean softmax cross-entropy, computed in float32 from the logits.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jls import demo
+      >>> params = demo.init_params(jax.random.key(0), [64, 10])
+      >>> params[0]["w"] = jnp.zeros((64, 10))  # uniform predictions
+      >>> x, y = jnp.ones((4, 64)), jnp.arange(4)
+      >>> round(float(demo.loss_fn(params, x, y, jnp.float16)), 4)  # log(10)
+      2.3026
+    """
     logits = forward(params, x, dtype)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
@@ -165,7 +203,15 @@ def underflow_fraction(grads: Any, reference: Any) -> jax.Array:
 
 
 def make_optimizer(mode: str, config: Config) -> optax.GradientTransformation:
-    """Adam, wrapped by jls in the ``f16-jls`` and ``bf16`` modes."""
+    """Adam, wrapped by jls in the ``f16-jls`` and ``bf16`` modes.
+
+    Example:
+      >>> import jax.numpy as jnp, jls
+      >>> from jls import demo
+      >>> tx = demo.make_optimizer("f16-jls", demo.Config())
+      >>> float(jls.metrics(tx.init(jnp.zeros(2)))["loss_scale"])
+      32768.0
+    """
     adam = optax.adam(config.learning_rate)
     if mode == "f16-jls":
         scaler = jls.dynamic_scale(
@@ -179,7 +225,22 @@ def make_optimizer(mode: str, config: Config) -> optax.GradientTransformation:
 
 @dataclasses.dataclass
 class History:
-    """Per-step and per-chunk records of one mode's run."""
+    """Per-step and per-chunk records of one mode's run.
+
+    Attributes:
+      loss: the training loss of every step (the mode's own forward pass).
+      scale: the loss scale every step used (1 without jls).
+      skipped: whether every step's gradients were not finite.
+      underflow_steps: the steps after which underflow was measured.
+      underflow: the underflow fraction measured then (`underflow_fraction`).
+
+    Example:
+      >>> from jls import demo
+      >>> config = demo.Config(steps=4, chunk=2)
+      >>> _, history, _ = demo.train_mode("f16-jls", config, demo.load_digits(0))
+      >>> len(history.loss), history.scale, history.underflow_steps
+      (4, [32768.0, 32768.0, 32768.0, 32768.0], [2, 4])
+    """
 
     loss: list[float] = dataclasses.field(default_factory=list)
     scale: list[float] = dataclasses.field(default_factory=list)
@@ -195,7 +256,29 @@ def train_mode(
     *,
     progress: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, Any], History, Any]:
-    """Trains one mode; returns its summary row, history and final params."""
+    """Trains one mode; returns its summary row, history and final params.
+
+    Args:
+      mode: one of `MODES`.
+      config: what to train.
+      data: ``load_digits(seed)``.
+      progress: called after every chunk as ``progress(steps_done_in_chunk,
+        loss=..., underflow=...)``.
+
+    Returns:
+      ``(row, history, params)``: the table row (a dict), the `History`, and
+      the final float32 parameters.
+
+    Raises:
+      ValueError: for an unknown ``mode`` or a ``config.batch`` out of range.
+
+    Example:
+      >>> from jls import demo
+      >>> config = demo.Config(steps=10)
+      >>> row, history, params = demo.train_mode("f32", config, demo.load_digits(0))
+      >>> row["mode"], row["steps"], row["underflow_mean"], len(history.loss)
+      ('f32', 10, 0.0, 10)
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     dtype = MODES[mode]
@@ -293,7 +376,18 @@ def train_mode(
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The results as a fixed-width text table."""
+    """The results as a fixed-width text table.
+
+    Example:
+      >>> from jls import demo
+      >>> row = {"mode": "f16-jls", "final_loss": 1e-6, "test_accuracy": 0.99,
+      ...        "skipped_steps": 3, "final_scale": 2.0**30, "underflow_mean": 0.001,
+      ...        "underflow_final": 0.0, "seconds": 9.5}
+      >>> print(demo.format_table([row]))  # doctest: +NORMALIZE_WHITESPACE
+      mode      final loss  test acc  skipped  final scale  underflow  at end  time s
+      -------------------------------------------------------------------------------
+      f16-jls    1.000e-06     0.990        3        2**30       0.1%    0.0%     9.5
+    """
     header = (
         f"{'mode':<8} {'final loss':>11} {'test acc':>9} {'skipped':>8} "
         f"{'final scale':>12} {'underflow':>10} {'at end':>7} {'time s':>7}"
@@ -321,7 +415,7 @@ def _is_pow2(value: float) -> bool:
     return value > 0 and math.frexp(value)[0] == 0.5
 
 
-def plot(
+def _plot(
     path: pathlib.Path,
     histories: dict[str, History],
     gradient_magnitudes: np.ndarray,
@@ -410,6 +504,18 @@ def run(
 
     Returns:
       The table rows (also written to ``out / "summary.json"``).
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> from jls import demo
+      >>> out = pathlib.Path(tempfile.mkdtemp())
+      >>> config = demo.Config(steps=5, modes=("f16",))
+      >>> rows = demo.run(config, out, show_progress=False)  # doctest: +ELLIPSIS
+      mode      final loss ...
+      ...
+      f16 ...
+      >>> sorted(p.name for p in out.iterdir())
+      ['demo.png', 'summary.json']
     """
     from tqdm.auto import tqdm
 
@@ -442,7 +548,7 @@ def run(
     grads = jax.grad(loss_fn)(reference_params, x_train, y_train, jnp.float32)
     magnitudes = np.concatenate([np.abs(np.ravel(g)) for g in jax.tree.leaves(grads)])
     jls_row = next((r for r in rows if r["mode"] == "f16-jls"), None)
-    plot(
+    _plot(
         out / "demo.png",
         histories,
         magnitudes,
@@ -486,7 +592,23 @@ def _positive(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Parses the command line and runs the demo."""
+    """Parses the command line and runs the demo (``python -m jls.demo``).
+
+    Args:
+      argv: the arguments; ``None`` reads ``sys.argv``.
+
+    Returns:
+      The table rows, as `run` returns them.
+
+    Example:
+      >>> import tempfile
+      >>> from jls import demo
+      >>> args = ["--steps", "5", "--modes", "bf16", "--no-progress"]
+      >>> rows = demo.main([*args, "--out", tempfile.mkdtemp()])  # doctest: +ELLIPSIS
+      mode ...
+      >>> rows[0]["mode"], rows[0]["final_scale"]
+      ('bf16', 1.0)
+    """
     defaults = Config()
     parser = argparse.ArgumentParser(
         prog="python -m jls.demo",
