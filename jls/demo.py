@@ -489,9 +489,10 @@ def _plot(
         ax.axvspan(math.log2(F16_MAX), hi + 1, color="C3", alpha=0.15)
         ax.text(lo + 0.5, ax.get_ylim()[1] * 0.9, "-> 0 in f16", color="C3")
         ax.text(math.log2(F16_TINY), ax.get_ylim()[1] * 0.8, "subnormal", color="C1")
+        ax.text(math.log2(F16_MAX), ax.get_ylim()[1] * 0.7, "inf", color="C3")
         ax.legend(loc="upper right")
     ax.set(xlabel="log2 |gradient entry|", ylabel="entries")
-    ax.set_title("Final gradient magnitudes vs the float16 range")
+    ax.set_title("Parameter gradients at the end (f32 run) vs the float16 range")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -618,6 +619,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "bfloat16 (float32 master weights), and show what float16 "
             "underflow does to training. Prints a table and writes demo.png "
             "and summary.json to --out."
+        ),
+        epilog=(
+            "modes: f32 = float32 compute, plain optax; f16 = float16 compute, "
+            "plain optax, no loss scaling; f16-jls = float16 compute with "
+            f"jls.loss_scaling(dynamic_scale(2**{math.log2(defaults.init_scale):g}, "
+            f"growth_interval={defaults.growth_interval})); bf16 = "
+            "bfloat16 compute with jls.no_scale() (skip non-finite steps). "
+            "Columns: final loss = training loss at the end, evaluated in "
+            "float32; underflow = of the gradient entries nonzero in float32 "
+            "at the same parameters, the fraction that is exactly 0 in the "
+            "mode's gradients, averaged over the run and over its last tenth "
+            "(at end); time s = training time without compilation. Needs the "
+            'demo extra: pip install "jls[demo]".'
         ),
     )
     parser.add_argument(
