@@ -100,6 +100,25 @@ class Config:
     growth_interval: int = 50
     chunk: int = 25
 
+    def __post_init__(self):
+        for name in ("steps", "width", "depth", "growth_interval", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int):
+            raise ValueError(f"batch must be an int, got {self.batch!r}")
+        if self.batch < 0:
+            raise ValueError(f"batch must be >= 0 (0: full batch), got {self.batch!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(
+                f"learning_rate must be positive, got {self.learning_rate!r}"
+            )
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(
+                f"modes must be a non-empty subset of {list(MODES)}, got {self.modes!r}"
+            )
+
 
 def load_digits(seed: int) -> tuple[np.ndarray, ...]:
     """The 1797 8x8 digits of scikit-learn, split 80/20 by ``seed``.
@@ -518,7 +537,7 @@ def run(
       >>> sorted(p.name for p in out.iterdir())
       ['demo.png', 'summary.json']
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
     data = load_digits(config.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -74,6 +75,22 @@ def test_bad_options_are_refused_by_name(tmp_path, capsys, args, message):
         _run(tmp_path, *args)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("steps", 0, "steps must be an int >= 1, got 0"),
+        ("chunk", 2.5, "chunk must be an int >= 1, got 2.5"),
+        ("batch", -1, "batch must be >= 0"),
+        ("learning_rate", 0.0, "learning_rate must be positive"),
+        ("modes", ("f16", "fp8"), "modes must be a non-empty subset"),
+        ("modes", (), "modes must be a non-empty subset"),
+    ],
+)
+def test_bad_config_is_refused_when_made(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        demo.Config(**{field: value})
 
 
 def test_bad_batch_names_the_argument():

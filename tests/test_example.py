@@ -1,4 +1,4 @@
-"""The README's example script runs and really trains in float16."""
+"""examples/train_fp16.py runs and really trains in float16."""
 
 import pathlib
 import runpy
