@@ -64,6 +64,7 @@ MODES: dict[str, Any] = {
 F16_TINY = 2.0**-24  # smallest float16 subnormal; half of it rounds to zero
 F16_NORMAL = 2.0**-14  # smallest normal float16
 F16_MAX = 65504.0
+TRAIN_SIZE = 1437  # 80% of scikit-learn's 1797 digits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +108,11 @@ class Config:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.batch, bool) or not isinstance(self.batch, int):
             raise ValueError(f"batch must be an int, got {self.batch!r}")
-        if self.batch < 0:
-            raise ValueError(f"batch must be >= 0 (0: full batch), got {self.batch!r}")
+        if not 0 <= self.batch <= TRAIN_SIZE:
+            raise ValueError(
+                f"batch must be in [0, {TRAIN_SIZE}] (0: full batch), "
+                f"got {self.batch!r}"
+            )
         if not self.learning_rate > 0:
             raise ValueError(
                 f"learning_rate must be positive, got {self.learning_rate!r}"
@@ -139,7 +143,7 @@ def load_digits(seed: int) -> tuple[np.ndarray, ...]:
     x = (np.asarray(pixels) / 16.0).astype(np.float32)
     y = np.asarray(labels).astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
-    cut = int(0.8 * len(x))
+    cut = TRAIN_SIZE
     train, test = order[:cut], order[cut:]
     return x[train], y[train], x[test], y[test]
 
@@ -691,9 +695,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "--no-progress", action="store_true", help="do not show progress bars"
     )
     args = parser.parse_args(argv)
-    config = dataclasses.replace(
-        defaults, steps=args.steps, seed=args.seed, modes=args.modes, batch=args.batch
-    )
+    try:
+        config = dataclasses.replace(
+            defaults,
+            steps=args.steps,
+            seed=args.seed,
+            modes=args.modes,
+            batch=args.batch,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     try:
         import matplotlib  # noqa: F401
         import sklearn  # noqa: F401

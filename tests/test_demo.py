@@ -68,6 +68,7 @@ def test_modes_option_and_minibatches(tmp_path, capsys):
     [
         (["--modes", "f16,fp8"], "modes must be a comma-separated subset"),
         (["--steps", "0"], "must be at least 1"),
+        (["--batch", "-3"], "batch must be in [0, 1437]"),
     ],
 )
 def test_bad_options_are_refused_by_name(tmp_path, capsys, args, message):
@@ -82,7 +83,8 @@ def test_bad_options_are_refused_by_name(tmp_path, capsys, args, message):
     [
         ("steps", 0, "steps must be an int >= 1, got 0"),
         ("chunk", 2.5, "chunk must be an int >= 1, got 2.5"),
-        ("batch", -1, "batch must be >= 0"),
+        ("batch", -1, "batch must be in [0, 1437]"),
+        ("batch", 5000, "batch must be in [0, 1437]"),
         ("learning_rate", 0.0, "learning_rate must be positive"),
         ("modes", ("f16", "fp8"), "modes must be a non-empty subset"),
         ("modes", (), "modes must be a non-empty subset"),
@@ -93,10 +95,12 @@ def test_bad_config_is_refused_when_made(field, value, message):
         demo.Config(**{field: value})
 
 
-def test_bad_batch_names_the_argument():
-    config = dataclasses.replace(demo.Config(), steps=1, batch=5000)
-    with pytest.raises(ValueError, match="batch must be in"):
-        demo.train_mode("f16", config, demo.load_digits(0))
+def test_train_mode_checks_batch_against_the_data():
+    config = dataclasses.replace(demo.Config(), steps=1, batch=100)
+    x_train, y_train, x_test, y_test = demo.load_digits(0)
+    small = (x_train[:50], y_train[:50], x_test, y_test)
+    with pytest.raises(ValueError, match=r"batch must be in \[0, 50\]"):
+        demo.train_mode("f16", config, small)
 
 
 def test_help_explains_the_options():
