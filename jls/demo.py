@@ -79,6 +79,9 @@ class Config:
       depth: hidden layers.
       learning_rate: Adam's learning rate.
       batch: examples per step; 0 trains full-batch on the training split.
+        Underflow is always measured on the full-batch gradient (with the
+        mode's dtype and current scale), so with minibatches it describes the
+        parameters' state rather than the exact gradients each step applied.
       init_scale: the initial loss scale of the ``f16-jls`` mode.
       growth_interval: finite steps between scale doublings in ``f16-jls``.
       chunk: steps per compiled call; underflow is measured once per chunk.
