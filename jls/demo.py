@@ -327,6 +327,9 @@ def train_mode(
 
         return jax.grad(objective, has_aux=True)(params)
 
+    if uses_jls:
+        jls_step = jls.train_step(lambda p, x, y: loss_fn(p, x, y, dtype), tx)
+
     def one_step(carry, step):
         params, opt_state = carry
         if batch == n:
@@ -336,12 +339,11 @@ def train_mode(
                 jax.random.fold_in(data_key, step), n, (batch,), replace=False
             )
             xb, yb = x_train[idx], y_train[idx]
-        grads, loss = gradients(params, opt_state, xb, yb)
-        if uses_jls:
-            scale = jls.metrics(opt_state)["loss_scale"]  # the one this step used
-            params, opt_state = jls.apply_gradients(tx, grads, opt_state, params)
-            record = (loss, scale, jls.metrics(opt_state)["skipped"])
+        if uses_jls:  # scale, differentiate, check, apply: one fused jls step
+            params, opt_state, out = jls_step(params, opt_state, xb, yb)
+            record = (out.loss, out.loss_scale, out.overflowed)
         else:
+            grads, loss = gradients(params, opt_state, xb, yb)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             record = (loss, jnp.float32(1.0), ~jls.all_finite(grads))
