@@ -2,21 +2,29 @@
 
 MindSpore raises after 1000 consecutive overflows and DeepSpeed at its
 minimum scale; optax's ``apply_if_finite`` instead starts applying non-finite
-updates after ``max_consecutive_errors``. jls never applies them: it offers
-an error on the host (at the next sync point), a ``checkify`` error inside
-``jit``, and a host-side check for a training loop.
+updates after ``max_consecutive_errors``. jls never applies them. The signal
+is plain state, so it is exact under every transformation (``vmap``,
+``scan``, ``pmap``): ``loss_scaling(..., max_consecutive_skips=n)`` keeps a
+sticky ``diverged`` flag, and the error is raised where a Python ``except``
+can catch it: on the host by `raise_if_diverged`, or inside ``jit`` through
+``jax.experimental.checkify`` by `checkify_divergence`. (jls 0.1 raised from
+a ``jax.debug.callback`` inside the step: under ``vmap`` its ``lax.cond``
+ran both branches, so it fired on finite steps, debug callbacks may be
+dropped or repeated by design, and the error surfaced as a
+``JaxRuntimeError``.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax import lax
+import numpy as np
 from jax.experimental import checkify
 
-from jls._state import LossScaleState, loss_scale_state
+from jls._state import loss_scale_state
+from jls._transform import wrappers
+from jls._validate import integer
 
 
 class DivergenceError(RuntimeError):
@@ -36,88 +44,76 @@ class DivergenceError(RuntimeError):
     """
 
 
-def _message(count: Any, limit: int, scale: Any) -> str:
-    return (
-        f"jls: loss scaling diverged: {int(count)} consecutive steps with "
-        f"non-finite gradients (limit {limit}); loss scale {float(scale)!r}. "
-        "Every one was skipped; look for a nan in the model or data, or a "
-        "learning rate that is too high."
-    )
-
-
-def _raise(count: Any, scale: Any, limit: int) -> None:
-    raise DivergenceError(_message(count, limit, scale))
-
-
-def check_divergence_on_host(loss_scale: LossScaleState, limit: int) -> None:
-    """Inside a jitted step: raise `DivergenceError` on the host on a breach.
-
-    A ``jax.debug.callback`` inside a ``lax.cond``, so it runs (and costs
-    anything) only on the step that reaches the limit; the error surfaces at
-    the next sync point (``block_until_ready``, a host read of any output).
-    """
-    lax.cond(
-        loss_scale.consecutive_skips >= jnp.int32(limit),
-        lambda: jax.debug.callback(
-            lambda c, s: _raise(c, s, limit),
-            loss_scale.consecutive_skips,
-            loss_scale.scale,
-        ),
-        lambda: None,
-    )
-
-
-def _check_limit(max_consecutive_skips: Any) -> int:
-    if (
-        isinstance(max_consecutive_skips, bool)
-        or not isinstance(max_consecutive_skips, int)
-        or max_consecutive_skips < 1
-    ):
+def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
+    """The divergence flag(s) of ``opt_state`` and the limit, as text."""
+    state = loss_scale_state(opt_state, batched=True)
+    if limit is not None:
+        limit = integer("max_consecutive_skips", limit, 1)
+        return state.consecutive_skips >= jnp.int32(limit), str(limit)
+    found = [w for w in wrappers(opt_state) if w.diverged is not None]
+    if len(found) != 1:
         raise ValueError(
-            f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}"
+            "give max_consecutive_skips, or pass the state of a "
+            "jls.loss_scaling(..., max_consecutive_skips=n) transformation (it "
+            "keeps the diverged flag); found "
+            f"{len(found) or 'no'} such state(s)"
         )
-    return max_consecutive_skips
+    return found[0].diverged, "the transformation's max_consecutive_skips"
 
 
-def raise_if_diverged(opt_state: Any, max_consecutive_skips: int) -> None:
-    """On the host: raise `DivergenceError` if the limit has been reached.
+def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) -> None:
+    """On the host: raise `DivergenceError` if the run has diverged.
 
-    Reads the state (a sync point); call it where you log metrics.
+    Reads the state (a sync point); call it where you log metrics. With the
+    default ``max_consecutive_skips=None`` it reads the sticky ``diverged``
+    flag of a ``loss_scaling(..., max_consecutive_skips=n)`` state, which a
+    breach anywhere in a ``lax.scan`` or on any ``vmap``/``pmap`` member
+    sets. With a limit it compares the current ``consecutive_skips``.
 
     Args:
-      opt_state: an optimizer state containing a `LossScaleState`.
-      max_consecutive_skips: the limit, an int >= 1.
+      opt_state: an optimizer state containing a `LossScaleState` (batched
+        under ``vmap``/``pmap`` too: any member raises).
+      max_consecutive_skips: ``None``, or a limit, an int >= 1.
 
     Raises:
-      DivergenceError: if ``consecutive_skips >= max_consecutive_skips``.
-      ValueError: if the limit is not an int >= 1.
+      DivergenceError: if the flag is set, or ``consecutive_skips`` reached
+        the limit.
+      ValueError: if the limit is not an int >= 1, or none is given and the
+        state keeps no flag.
 
     Example:
-      >>> import jls
-      >>> scaler = jls.dynamic_scale()
-      >>> state = scaler.adjust(scaler.adjust(scaler.init(), False), False)
-      >>> jls.raise_if_diverged(state, 3)
-      >>> jls.raise_if_diverged(state, 2)
-      Traceback (most recent call last):
-      ...
-      jls._divergence.DivergenceError: jls: loss scaling diverged: 2 consecutive ...
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), max_consecutive_skips=2)
+      >>> params = jnp.zeros(2)
+      >>> state = tx.init(params)
+      >>> for _ in range(2):
+      ...     _, state = tx.update(jnp.full(2, jnp.nan), state, params)
+      >>> try:
+      ...     jls.raise_if_diverged(state)
+      ... except jls.DivergenceError as err:
+      ...     print(str(err)[:53])
+      jls: loss scaling diverged: 2 consecutive skipped ste
     """
-    limit = _check_limit(max_consecutive_skips)
-    state = loss_scale_state(opt_state)
-    count = int(state.consecutive_skips)
-    if count >= limit:
-        raise DivergenceError(_message(count, limit, state.scale))
+    flags, limit = _flags(opt_state, max_consecutive_skips)
+    if np.any(np.asarray(flags)):
+        state = loss_scale_state(opt_state, batched=True)
+        count = int(np.max(np.asarray(state.consecutive_skips)))
+        raise DivergenceError(_message(count, limit, np.min(np.asarray(state.scale))))
 
 
-def checkify_divergence(opt_state: Any, max_consecutive_skips: int) -> None:
+def checkify_divergence(
+    opt_state: Any, max_consecutive_skips: int | None = None
+) -> None:
     """Inside ``jit``: a ``jax.experimental.checkify`` divergence check.
 
     Call it in a step function that you wrap with ``checkify.checkify``; the
     returned error's ``throw()`` raises (or ``get()`` reports) the breach.
+    The flag and limit are read as by `raise_if_diverged`.
 
     Args:
       opt_state: the step's new optimizer state.
-      max_consecutive_skips: the limit, an int >= 1.
+      max_consecutive_skips: ``None`` (use the state's ``diverged`` flag) or
+        a limit, an int >= 1.
 
     Example:
       >>> import jax, jls
@@ -129,14 +125,23 @@ def checkify_divergence(opt_state: Any, max_consecutive_skips: int) -> None:
       ...     return state
       >>> err, _ = jax.jit(checkify.checkify(step))(scaler.init())
       >>> print(err.get().splitlines()[0][:53])
-      jls: loss scaling diverged: 1 consecutive steps with
+      jls: loss scaling diverged: 1 consecutive skipped ste
     """
-    limit = _check_limit(max_consecutive_skips)
-    state = loss_scale_state(opt_state)
+    flags, limit = _flags(opt_state, max_consecutive_skips)
+    state = loss_scale_state(opt_state, batched=True)
     checkify.check(
-        state.consecutive_skips < jnp.int32(limit),
-        "jls: loss scaling diverged: {count} consecutive steps with non-finite "
-        f"gradients (limit {limit}); loss scale {{scale}}.",
+        ~jnp.any(flags),
+        "jls: loss scaling diverged: {count} consecutive skipped steps (limit "
+        f"{limit}); loss scale {{scale}}.",
         count=state.consecutive_skips,
         scale=state.scale,
+    )
+
+
+def _message(count: Any, limit: str, scale: Any) -> str:
+    return (
+        f"jls: loss scaling diverged: {int(count)} consecutive skipped steps "
+        f"(limit {limit}); loss scale {float(scale)!r}. No update with "
+        "non-finite gradients was applied; look for a nan in the model or data, "
+        "or a learning rate that is too high."
     )

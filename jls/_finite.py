@@ -2,25 +2,35 @@
 
 Design (chosen by measurement; ``benchmarks/bench_all_finite.py`` re-runs it):
 
-* For float32, bfloat16, float64 and complex leaves the check is a plain sum
-  per leaf (accumulated in float32, or float64/complex128 for those) followed
-  by one ``isfinite`` of the total. Any inf or nan element makes its leaf's
-  sum inf or nan, and inf or nan survives every further addition, so a
-  finite total proves every element finite. On XLA:CPU a bare
-  ``reduce(convert(x))`` is the only form that runs at the memory-bandwidth
-  floor: ``jnp.isfinite(x).all()`` costs 2-3x (it writes a bool array and
-  reduces it in a tree), and any elementwise op fused before the sum
-  (``x * 0``, ``x - x``, a pre-scale) costs about 2x. ``jnp.max`` is never
-  used: on XLA:CPU it drops nan on large arrays.
+* For float32, bfloat16, float64 and complex leaves the check is a sum of
+  magnitudes per leaf (``sum(|x|)``, accumulated in float32, or in the
+  leaf's own dtype when wider) followed by one ``isfinite`` of the total.
+  On XLA:CPU a reduction with nothing but ``abs`` fused before it runs at
+  the memory-bandwidth floor, where ``jnp.isfinite(x).all()`` and any select
+  cost 2-8x, and an integer reduction over the bits does not vectorise.
+  ``jnp.max`` is never used: on XLA:CPU it drops nan on large arrays.
+* Why magnitudes, and not the plain sum (jls 0.1): the gradient is usually
+  produced in the same ``jit``, and the compiler fuses its producer into the
+  reduction. With a plain sum, ``sum(a * c)`` may be contracted into
+  ``fma(a, c, acc)`` or factored into ``c * sum(a)``, so the sum sees the
+  unrounded products while the stored gradient holds their rounded inf, and
+  cancellation against other elements hides it. ``abs`` sits between the
+  producer and the addition (nothing left to contract), and no term can
+  cancel another: every rewrite of ``sum(|x|)`` that is exact in real
+  arithmetic is at least ``|x_i|`` for every element, and float rounding is
+  monotone, so an element that rounds to inf makes the sum inf whatever the
+  compiler does. An inf or nan element makes its leaf's sum inf or nan, and
+  that survives every further addition.
 * A total that is not finite is either a real inf/nan or an overflow of the
-  sum of finite values (possible only for float32/bfloat16 leaves whose
-  elements reach about ``float32_max / leaf_size``). That rare case is
-  confirmed exactly by ``jnp.isfinite(x).all()`` inside a ``lax.cond``, so
-  the check has no false positives and no false negatives, and the common
-  finite case pays for the sum alone.
-* float16 and fp8 leaves use ``jnp.isfinite(x).all()`` directly: their sums
-  cannot overflow float32, but on XLA:CPU converting them to float32 costs
-  2-5x more than testing them in their own format.
+  sum of finite magnitudes (possible only when elements reach about
+  ``float32_max / leaf_size``). That rare case is confirmed exactly by
+  ``jnp.isfinite(x).all()`` inside a ``lax.cond``, so the check has no false
+  positives and no false negatives, and the common finite case pays for the
+  sum alone.
+* float16, fp8 and fp4 leaves use ``jnp.isfinite(x).all()`` directly: it
+  reads each rounded element (nothing to contract), and on XLA:CPU
+  converting them to float32 costs 2-5x more than testing them in their own
+  format.
 
 Integer, bool and float0 leaves and ``None`` are ignored; an empty tree is
 finite.
@@ -35,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._scaling import unscale_leaf
+from jls._scaling import compute_dtype, unscale_leaf
 
 _NATIVE_CHECK_MAX_BITS = 16  # float16 and fp8: test in the leaf's own format
 
@@ -59,8 +69,11 @@ def _checked_natively(dtype: Any) -> bool:
     )
 
 
-def _sum_dtype(dtype: Any) -> Any:
-    return jnp.promote_types(dtype, jnp.float32)
+def _magnitude_sum(x: jax.Array) -> jax.Array:
+    """``sum(|x|)`` in at least float32 (``|re| + |im|`` for complex)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return _magnitude_sum(jnp.real(x)) + _magnitude_sum(jnp.imag(x))
+    return jnp.sum(jnp.abs(x), dtype=compute_dtype(x.dtype))
 
 
 def _exact(leaves: list[jax.Array]) -> jax.Array:
@@ -76,7 +89,7 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
     summed = [x for x in leaves if not _checked_natively(x.dtype)]
     ok = _exact(native)
     if summed:
-        sums = [jnp.sum(x, dtype=_sum_dtype(x.dtype)) for x in summed]
+        sums = [_magnitude_sum(x) for x in summed]
         total_ok = jnp.asarray(True)
         for s in sums:
             total_ok = total_ok & jnp.isfinite(s)

@@ -37,60 +37,49 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
+import optax
 from jax.typing import ArrayLike
 
 from jls._state import LossScaleState, check_state, make_state
+from jls._validate import (
+    F32_MAX,
+    F32_TINY,
+    flag,
+    integer,
+    positive_f32,
+    real,
+    to_f32,
+)
 
-_F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
-_I32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return value
+_F32_MAX = F32_MAX
 
 
-def _positive_f32(name: str, value: Any) -> float:
-    value = _real(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    with np.errstate(over="ignore", under="ignore"):
-        as_f32 = np.float32(value)
-    if not _F32_TINY <= as_f32 <= _F32_MAX:
+def _factor(name: str, value: Any, *, below_one: bool) -> float:
+    """A scale factor, ``>= 1`` or in ``(0, 1]``, that stays itself in float32.
+
+    ``1e39`` is inf in float32 and ``0.99999999`` rounds to 1 (a factor that
+    would never change the scale): both are refused.
+    """
+    value = real(name, value)
+    if below_one and not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    if not below_one and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    f32 = to_f32(value)
+    if not F32_TINY <= f32 <= F32_MAX:
         raise ValueError(
-            f"{name} must be representable as a normal float32 (between "
-            f"{_F32_TINY!r} and {_F32_MAX!r}; XLA flushes subnormals to zero), "
-            f"got {value!r}"
+            f"{name} must be a normal float32 number, got {value!r} (float32: {f32!r})"
+        )
+    if (value == 1) != (f32 == 1):
+        raise ValueError(
+            f"{name} must differ from 1 in float32 if it differs from 1, got "
+            f"{value!r}, which float32 rounds to 1.0 (the scale would never change)"
         )
     return value
-
-
-def _interval(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    value = int(value)
-    if not 1 <= value <= _I32_MAX:
-        raise ValueError(f"{name} must be an int in [1, {_I32_MAX}], got {value!r}")
-    return value
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +128,7 @@ class LossScaler:
 
     init_scale: float = 2.0**15
     growth_factor: float = 2.0
-    backoff_factor: float = 0.5
+    backoff_factor: float | None = None
     growth_interval: int = 2000
     first_growth_interval: int | None = None
     init_growth_count: int | None = None
@@ -154,27 +143,33 @@ class LossScaler:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "init_scale", _positive_f32("init_scale", self.init_scale))
-        growth = _real("growth_factor", self.growth_factor)
-        if growth < 1:
-            raise ValueError(f"growth_factor must be >= 1, got {growth!r}")
-        set_(self, "growth_factor", growth)
+        set_(self, "init_scale", positive_f32("init_scale", self.init_scale))
+        set_(
+            self,
+            "growth_factor",
+            _factor("growth_factor", self.growth_factor, below_one=False),
+        )
+        backoff = self.backoff_factor
         if self.backoff_divisor is not None:
-            divisor = _real("backoff_divisor", self.backoff_divisor)
-            if divisor < 1:
-                raise ValueError(f"backoff_divisor must be >= 1, got {divisor!r}")
+            divisor = _factor("backoff_divisor", self.backoff_divisor, below_one=False)
+            if backoff is not None and real("backoff_factor", backoff) != 1 / divisor:
+                raise ValueError(
+                    "give backoff_factor or backoff_divisor, not both; got "
+                    f"backoff_factor={backoff!r}, backoff_divisor={divisor!r}"
+                )
             set_(self, "backoff_divisor", divisor)
-            set_(self, "backoff_factor", 1 / divisor)
-        backoff = _real("backoff_factor", self.backoff_factor)
-        if not 0 < backoff <= 1:
-            raise ValueError(f"backoff_factor must be in (0, 1], got {backoff!r}")
+            backoff = 1 / divisor
+        backoff = 0.5 if backoff is None else backoff
+        backoff = _factor("backoff_factor", backoff, below_one=True)
         set_(self, "backoff_factor", backoff)
         set_(
-            self, "growth_interval", _interval("growth_interval", self.growth_interval)
+            self,
+            "growth_interval",
+            integer("growth_interval", self.growth_interval, 1),
         )
         first = self.first_growth_interval
         first = self.growth_interval if first is None else first
-        first = _interval("first_growth_interval", first)
+        first = integer("first_growth_interval", first, 1)
         if first < self.growth_interval:
             raise ValueError(
                 "first_growth_interval must be >= growth_interval "
@@ -183,24 +178,20 @@ class LossScaler:
         set_(self, "first_growth_interval", first)
         count = self.init_growth_count
         count = self.growth_restart if count is None else count
-        if isinstance(count, (bool, np.bool_)) or not isinstance(
-            count, numbers.Integral
-        ):
-            raise TypeError(f"init_growth_count must be an int, got {count!r}")
-        if not self.growth_restart <= int(count) < self.growth_interval:
-            raise ValueError(
-                f"init_growth_count must be in [{self.growth_restart}, "
-                f"{self.growth_interval - 1}] (the counts before a growth), got "
-                f"{count!r}"
-            )
-        set_(self, "init_growth_count", int(count))
-        set_(self, "saturate_growth", _flag("saturate_growth", self.saturate_growth))
+        count = integer(
+            "init_growth_count",
+            count,
+            self.growth_restart,
+            self.growth_interval - 1,
+        )
+        set_(self, "init_growth_count", count)
+        set_(self, "saturate_growth", flag("saturate_growth", self.saturate_growth))
         set_(
             self,
             "backoff_interval",
-            _interval("backoff_interval", self.backoff_interval),
+            integer("backoff_interval", self.backoff_interval, 1),
         )
-        set_(self, "hysteresis", _interval("hysteresis", self.hysteresis))
+        set_(self, "hysteresis", integer("hysteresis", self.hysteresis, 1))
         if self.backoff_interval > 1 and self.hysteresis > 1:
             raise ValueError(
                 "backoff_interval and hysteresis are two different peers' rules "
@@ -211,10 +202,10 @@ class LossScaler:
         set_(
             self,
             "consecutive_hysteresis",
-            _flag("consecutive_hysteresis", self.consecutive_hysteresis),
+            flag("consecutive_hysteresis", self.consecutive_hysteresis),
         )
-        set_(self, "min_scale", _positive_f32("min_scale", self.min_scale))
-        set_(self, "max_scale", _positive_f32("max_scale", self.max_scale))
+        set_(self, "min_scale", positive_f32("min_scale", self.min_scale))
+        set_(self, "max_scale", positive_f32("max_scale", self.max_scale))
         if self.min_scale > self.max_scale:
             raise ValueError(
                 f"min_scale must be <= max_scale, got min_scale={self.min_scale!r} "
@@ -225,7 +216,7 @@ class LossScaler:
                 f"init_scale must be in [min_scale, max_scale] = "
                 f"[{self.min_scale!r}, {self.max_scale!r}], got {self.init_scale!r}"
             )
-        set_(self, "skip_nonfinite", _flag("skip_nonfinite", self.skip_nonfinite))
+        set_(self, "skip_nonfinite", flag("skip_nonfinite", self.skip_nonfinite))
 
     @property
     def growth_restart(self) -> int:
@@ -251,7 +242,25 @@ class LossScaler:
     @property
     def min_scale_f32(self) -> float:
         """``min_scale`` as the float32 value the state machine uses."""
-        return float(np.float32(self.min_scale))
+        return to_f32(self.min_scale)
+
+    @property
+    def max_scale_f32(self) -> float:
+        """``max_scale`` as the float32 value the state machine uses."""
+        return to_f32(self.max_scale)
+
+    def in_range(self, scale: jax.Array) -> jax.Array:
+        """Whether ``scale`` lies in ``[min_scale, max_scale]`` (False for nan).
+
+        A state can arrive from a checkpoint, `jls.set_loss_scale` or a
+        user's hand with any scale. A step whose scale is out of range is
+        treated as a non-finite step whatever its gradients (always dropped,
+        even with ``skip_nonfinite=False``), and `adjust` brings the scale
+        back into range, so a scale that the check was not designed for is
+        never used to unscale an applied update.
+        """
+        f32 = jnp.float32
+        return (scale >= f32(self.min_scale_f32)) & (scale <= f32(self.max_scale_f32))
 
     def init(self) -> LossScaleState:
         """Returns the state before the first step.
@@ -309,6 +318,11 @@ class LossScaler:
             )
         f32, i32 = jnp.float32, jnp.int32
         scale = state.scale
+        valid = self.in_range(scale)
+        finite = finite & valid
+        # The update is dropped when the gradients are not finite (unless the
+        # scaler applies such steps) and always when the scale was invalid.
+        dropped = ~finite if self.skip_nonfinite else ~valid
 
         # Growth: on the growth_interval-th consecutive finite step (counting
         # from growth_restart after the start or a non-finite step), unless
@@ -347,32 +361,40 @@ class LossScaler:
                 after_finite = jnp.where(at_interval, i32(0), state.backoff_count)
             backoff_count = jnp.where(finite, after_finite, after_backoff)
         if self.backoff_divisor is not None:
-            # The barrier keeps XLA from rewriting the division by a constant
-            # into a multiplication by its (rounded) reciprocal.
-            backed = scale / lax.optimization_barrier(f32(self.backoff_divisor))
+            # XLA rewrites a division by a constant into a multiplication by
+            # its rounded reciprocal (x / 3 -> x * 0.33333334), and an
+            # optimization barrier does not survive to that pass under vmap.
+            # A divisor that depends on the scale is no constant: `scale -
+            # scale` is 0 for every finite scale (XLA never folds x - x for
+            # floats, because of nan), and a non-finite scale is clamped below.
+            divisor = f32(self.backoff_divisor) + (scale - scale)
+            backed = scale / divisor
         else:
             backed = scale * f32(self.backoff_factor)
         backed = jnp.maximum(backed, f32(self.min_scale))
 
         if self.is_dynamic:
             scale = jnp.where(grow, grown, jnp.where(backoff, backed, scale))
-        skipped = ~finite
+        # Whatever the state held (a scale set by hand, nan), the next scale is
+        # in [min_scale, max_scale]; nan goes to min_scale.
+        low, high = f32(self.min_scale_f32), f32(self.max_scale_f32)
+        scale = jnp.where(scale >= low, jnp.minimum(scale, high), low)
         return LossScaleState(
             scale=scale,
             growth_count=growth_count,
             backoff_count=backoff_count,
-            consecutive_skips=jnp.where(
-                skipped, _saturating_increment(state.consecutive_skips), i32(0)
+            consecutive_skips=_count_if(dropped, state.consecutive_skips, i32(0)),
+            total_skips=_count_if(dropped, state.total_skips, state.total_skips),
+            consecutive_nonfinite=_count_if(
+                ~finite, state.consecutive_nonfinite, i32(0)
             ),
-            total_skips=jnp.where(
-                skipped, _saturating_increment(state.total_skips), state.total_skips
-            ),
+            retries=i32(0),
         )
 
 
-def _saturating_increment(count: jax.Array) -> jax.Array:
-    top = jnp.int32(_I32_MAX)
-    return jnp.where(count < top, count + jnp.int32(1), top)
+def _count_if(cond: jax.Array, count: jax.Array, otherwise: jax.Array) -> jax.Array:
+    """``count + 1`` (saturating at the int32 maximum) where ``cond``."""
+    return jnp.where(cond, optax.safe_increment(count), otherwise)
 
 
 def dynamic_scale(
@@ -436,8 +458,8 @@ def dynamic_scale(
         the scale never reaches inf. Default: the float32 maximum.
       skip_nonfinite: drop a step whose gradients are not finite (default).
         ``False`` applies it anyway, like MindSpore's
-        ``drop_overflow_update=False``; the step is still counted in
-        ``consecutive_skips`` and ``total_skips``.
+        ``drop_overflow_update=False``; the step then counts in
+        ``consecutive_nonfinite`` but not as a skip.
 
     Returns:
       A `LossScaler`.
@@ -464,7 +486,7 @@ def dynamic_scale(
     return LossScaler(
         init_scale=init_scale,
         growth_factor=growth_factor,
-        backoff_factor=0.5 if backoff_factor is None else backoff_factor,
+        backoff_factor=backoff_factor,
         growth_interval=growth_interval,
         first_growth_interval=first_growth_interval,
         init_growth_count=init_growth_count,
@@ -502,7 +524,7 @@ def static_scale(value: float, *, skip_nonfinite: bool = True) -> LossScaler:
       >>> scaler.adjust(scaler.init(), False).scale
       Array(128., dtype=float32)
     """
-    value = _positive_f32("value", value)
+    value = positive_f32("value", value)
     return LossScaler(
         init_scale=value,
         growth_factor=1.0,

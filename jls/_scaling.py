@@ -6,14 +6,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from jls._state import LossScaleState, loss_scale_state
 
 
 def compute_dtype(dtype: Any) -> Any:
-    """float32 for 16-bit and 8-bit floats; the dtype itself when wider."""
-    return jnp.promote_types(dtype, jnp.float32)
+    """The dtype to compute in: at least float32.
+
+    float32 for floats narrower than 32 bits (float16, bfloat16, every fp8
+    and fp4 type); the dtype itself when wider (float64, complex). Not
+    ``jnp.promote_types(dtype, float32)``: JAX defines no promotion for the
+    fp8 and fp4 types.
+    """
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
 
 
 _SPLIT = 2.0**64

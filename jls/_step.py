@@ -10,12 +10,25 @@ come from the seeds:
 * ``max_retries`` (nnabla's ``DynamicLossScalingUpdater``): on overflow, back
   off and recompute the gradients inside the same jitted call
   (``lax.while_loop``, bounded), so no step is lost to a too-high scale;
-  after ``max_retries`` the step is skipped as usual.
+  after ``max_retries`` the step is skipped as usual. A retry is an attempt,
+  not a step: the scale rule advances as for a non-finite step, but the skip
+  counters count the step once. A retry that could not change the outcome
+  (the rule would not lower the scale: a static scaler, hysteresis still
+  tolerating, Paddle's ``decr_every_n_nan_or_inf`` not yet reached, the
+  scale at ``min_scale``) is not made.
 * ``accumulation_steps`` (nnabla's ``accum_grad``, Paddle): the batch is cut
-  into micro-batches whose scaled gradients are summed in float32 under one
-  scale (``lax.scan``); the check and the skip happen once per effective
-  batch, and since the accumulator lives inside the call a non-finite
-  micro-batch can never poison a later one.
+  into micro-batches whose scaled gradients are accumulated in float32 under
+  one scale (``lax.scan``); the check and the skip happen once per effective
+  batch (as torch's GradScaler does with accumulation), and since the
+  accumulator lives inside the call a non-finite micro-batch can never
+  poison a later one. Each micro-batch gradient is multiplied by ``2**-e``,
+  the power of two at or below ``1 / k``, before it is added (exact, unless
+  the result is below the smallest normal float32), and the total is divided
+  by ``k * 2**-e`` at the end: the accumulator stays below the float32
+  maximum whenever the mean does, where summing first would overflow for
+  finite gradients above ``float32_max / k``. An accumulated mean can be
+  reported non-finite only when it lies within a factor ``1 + k * 2**-23``
+  of the float32 maximum (the rounding of ``k`` additions).
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from jax import lax
 from jls._scaling import compute_dtype
 from jls._state import LossScaleState
 from jls._transform import LossScalingState, update_of
+from jls._validate import flag, integer
 
 
 class StepOutput(NamedTuple):
@@ -40,8 +54,10 @@ class StepOutput(NamedTuple):
       loss: the unscaled loss (float32; the mean over micro-batches).
       aux: ``loss_fn``'s auxiliary output (stacked over micro-batches), or
         ``None`` without ``has_aux``.
-      overflowed: whether the step's gradients (after any retries) were not
-        finite, so the update was skipped.
+      nonfinite: whether the step's gradients (after any retries) were not
+        all finite (or its scale was outside the scaler's range).
+      skipped: whether the step's update was dropped: ``nonfinite``, unless
+        the scaler applies non-finite steps (``skip_nonfinite=False``).
       loss_scale: the scale the step's (last) gradients were computed with.
       next_loss_scale: the scale for the next step.
       retries: how many times the gradients were recomputed (int32).
@@ -51,13 +67,14 @@ class StepOutput(NamedTuple):
       >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**10))
       >>> step = jls.train_step(lambda p, x: jnp.sum(p * x), tx)
       >>> _, _, out = step(jnp.ones(2), tx.init(jnp.ones(2)), jnp.array([1.0, jnp.inf]))
-      >>> bool(out.overflowed), float(out.loss_scale), float(out.next_loss_scale)
+      >>> bool(out.skipped), float(out.loss_scale), float(out.next_loss_scale)
       (True, 1024.0, 512.0)
     """
 
     loss: jax.Array
     aux: Any
-    overflowed: jax.Array
+    nonfinite: jax.Array
+    skipped: jax.Array
     loss_scale: jax.Array
     next_loss_scale: jax.Array
     retries: jax.Array
@@ -74,6 +91,11 @@ def _split(batch: tuple, k: int) -> tuple:
         return x.reshape((k, x.shape[0] // k) + x.shape[1:])
 
     return jax.tree.map(cut, batch)
+
+
+def _pow2_at_most_inverse(k: int) -> float:
+    """``2**-e`` for the smallest ``e`` with ``2**e >= k``."""
+    return 2.0 ** -((k - 1).bit_length())
 
 
 def train_step(
@@ -94,7 +116,8 @@ def train_step(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       max_retries: recompute the gradients up to this many times with the
         backed-off scale when they overflow (nnabla); 0 (default) skips the
-        step at once.
+        step at once. Retries are reported in ``StepOutput.retries`` and
+        ``jls.metrics(opt_state)["retries"]``, and are not counted as steps.
       accumulation_steps: cut each batch into this many micro-batches along
         the leading axis and accumulate their gradients under one scale.
 
@@ -102,7 +125,9 @@ def train_step(
       ``step(params, opt_state, *batch) -> (params, opt_state, StepOutput)``.
 
     Raises:
-      TypeError: if ``tx`` was not made by `jls.loss_scaling`.
+      TypeError: if ``tx`` was not made by `jls.loss_scaling`, ``loss_fn`` is
+        not callable, ``has_aux`` is not a bool or (at trace time) does not
+        match what ``loss_fn`` returns.
       ValueError: if ``max_retries`` or ``accumulation_steps`` is out of range
         (or, at trace time, a batch does not split into micro-batches).
 
@@ -112,24 +137,35 @@ def train_step(
       >>> step = jax.jit(jls.train_step(lambda p, x: jnp.mean((p * x) ** 2), tx))
       >>> params = jnp.ones(3)
       >>> params, opt_state, out = step(params, tx.init(params), jnp.ones(3))
-      >>> float(out.loss), bool(out.overflowed), float(out.loss_scale)
+      >>> float(out.loss), bool(out.skipped), float(out.loss_scale)
       (1.0, False, 1024.0)
     """
     update = update_of(tx)
-    for name, value, low in (
-        ("max_retries", max_retries, 0),
-        ("accumulation_steps", accumulation_steps, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    has_aux = flag("has_aux", has_aux)
+    max_retries = integer("max_retries", max_retries, 0)
+    accumulation_steps = integer("accumulation_steps", accumulation_steps, 1)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+    scaler = update.scaler
+    k = accumulation_steps
 
     def split_out(out):
         if has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    "has_aux=True: loss_fn must return a (loss, aux) pair, got "
+                    f"{type(out).__name__}: {out!r:.200}"
+                )
             loss, aux = out
-            return loss, aux
-        return out, None
+        else:
+            loss, aux = out, None
+        if isinstance(loss, (tuple, list)) or jnp.shape(loss) != ():
+            hint = " (pass has_aux=True for (loss, aux))" if not has_aux else ""
+            raise TypeError(
+                f"loss_fn must return a scalar loss{hint}; has_aux={has_aux} and "
+                f"it returned {type(loss).__name__}: {loss!r:.200}"
+            )
+        return loss, aux
 
     def scaled_grads(params, scale, batch):
         def f(p, *b):
@@ -138,58 +174,84 @@ def train_step(
             wide = compute_dtype(loss.dtype)
             return loss.astype(wide) * scale.astype(wide), (loss, aux)
 
-        if accumulation_steps == 1:
+        if k == 1:
             grads, (loss, aux) = jax.grad(f, has_aux=True)(params, *batch)
             return grads, jnp.asarray(loss, jnp.float32), aux
 
+        pre = _pow2_at_most_inverse(k)
+
         def micro(acc, b):
             g, (loss, aux) = jax.grad(f, has_aux=True)(params, *b)
-            acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g)
+            acc = jax.tree.map(
+                lambda a, x: a + x.astype(a.dtype) * jnp.asarray(pre, a.dtype), acc, g
+            )
             return acc, (jnp.asarray(loss, jnp.float32), aux)
 
-        shapes = jax.eval_shape(lambda: jax.grad(f, has_aux=True)(params, *batch))[0]
+        micro_batches = _split(tuple(batch), k)
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        shapes = jax.eval_shape(lambda: jax.grad(f, has_aux=True)(params, *first))[0]
         zeros = jax.tree.map(
             lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes
         )
-        total, (losses, auxes) = lax.scan(
-            micro, zeros, _split(tuple(batch), accumulation_steps)
+        total, (losses, auxes) = lax.scan(micro, zeros, micro_batches)
+        # total = sum(g * pre): divide by k * pre (exact, in (1/2, 1]).
+        grads = jax.tree.map(
+            lambda t, s: (t / jnp.asarray(k * pre, t.dtype)).astype(s.dtype),
+            total,
+            shapes,
         )
-        k = accumulation_steps
-        grads = jax.tree.map(lambda t, s: (t / k).astype(s.dtype), total, shapes)
         return grads, jnp.mean(losses), auxes
 
     def step(params, opt_state, *batch):
         state = update._state(opt_state)
-        scaler = update.scaler
 
         def attempt(loss_scale: LossScaleState):
             grads, loss, aux = scaled_grads(params, loss_scale.scale, batch)
-            return grads, loss, aux, update.grads_finite(grads, loss_scale)
+            return grads, loss, aux, update.decide(grads, loss_scale)
+
+        def backed_off(loss_scale: LossScaleState) -> LossScaleState:
+            # The rule's next state for a failed attempt, less the skip
+            # counters: a retry is not a step.
+            nxt = scaler.adjust(loss_scale, jnp.asarray(False))
+            return nxt._replace(
+                consecutive_skips=loss_scale.consecutive_skips,
+                total_skips=loss_scale.total_skips,
+                consecutive_nonfinite=loss_scale.consecutive_nonfinite,
+            )
 
         loss_scale = state.loss_scale
-        grads, loss, aux, finite = attempt(loss_scale)
+        grads, loss, aux, decision = attempt(loss_scale)
         retries = jnp.int32(0)
         if max_retries:
 
             def again(carry):
                 loss_scale, _, _, _, _, retries = carry
-                loss_scale = scaler.adjust(loss_scale, jnp.asarray(False))
+                loss_scale = backed_off(loss_scale)
                 return (loss_scale, *attempt(loss_scale), retries + 1)
 
+            def worth_another(carry):
+                loss_scale, _, _, _, (finite, _), retries = carry
+                lower = backed_off(loss_scale).scale < loss_scale.scale
+                return ~finite & (retries < max_retries) & lower
+
             carry = lax.while_loop(
-                lambda c: ~c[4] & (c[5] < max_retries),
+                worth_another,
                 again,
-                (loss_scale, grads, loss, aux, finite, retries),
+                (loss_scale, grads, loss, aux, decision, retries),
             )
-            loss_scale, grads, loss, aux, finite, retries = carry
+            loss_scale, grads, loss, aux, decision, retries = carry
         state = state._replace(loss_scale=loss_scale)
-        params, new_state = update.apply_fused(grads, state, params, finite)
+        params, new_state = update.apply_fused(grads, state, params, decision)
+        new_loss_scale = new_state.loss_scale._replace(retries=retries)
+        new_state = new_state._replace(loss_scale=new_loss_scale)
+        finite, apply = decision
         out = StepOutput(
             loss=loss,
             aux=aux,
-            overflowed=~finite,
+            nonfinite=~finite,
+            skipped=~apply,
             loss_scale=loss_scale.scale,
-            next_loss_scale=new_state.loss_scale.scale,
+            next_loss_scale=new_loss_scale.scale,
             retries=retries,
         )
         return params, new_state, out

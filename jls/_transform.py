@@ -38,14 +38,27 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from jls._divergence import check_divergence_on_host
 from jls._finite import nonfinite_leaf_flags, unscaled_finite
 from jls._scaler import LossScaler, dynamic_scale
 from jls._scaling import unscale_leaf
 from jls._state import LossScaleState, check_state, loss_scale_state
+from jls._validate import flag, integer
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The ``shard_map`` axes ``x``'s value varies over (empty outside one).
+
+    ``jax.typeof(x).vma`` up to jax 0.9, ``.manual_axis_type.varying`` after.
+    """
+    aval = jax.typeof(x)
+    varying = getattr(aval, "vma", None)
+    if varying is None:
+        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(varying or ())
 
 
 class _Transformation(Protocol):
@@ -67,8 +80,12 @@ class LossScalingState(NamedTuple):
         skipped step.
       nonfinite_leaves: with ``loss_scaling(..., diagnostics=True)``, a tree
         like the parameters of scalar bools: which gradient leaves were not
-        finite on the latest step (all ``False`` after a finite step).
-        ``None`` otherwise.
+        finite on the latest step (all ``False`` after a finite step; with
+        ``axis_name``, on any replica). ``None`` otherwise.
+      diverged: with ``loss_scaling(..., max_consecutive_skips=n)``, a scalar
+        bool that becomes ``True`` on the step that makes ``n`` skipped steps
+        in a row and stays ``True`` (so a breach inside a ``lax.scan`` is not
+        lost); `jls.raise_if_diverged` raises on it. ``None`` otherwise.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -83,6 +100,7 @@ class LossScalingState(NamedTuple):
     loss_scale: LossScaleState
     inner_state: optax.OptState
     nonfinite_leaves: Any = None
+    diverged: Any = None
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -94,8 +112,17 @@ def _cast_like(tree: Any, like: Any) -> Any:
     )
 
 
+def _zero(dtype: Any) -> Any:
+    """The zero update of ``dtype``: ``-0.0`` for floats, 0 for others.
+
+    ``p + (-0.0)`` is ``p`` bitwise for every float ``p``, ``-0.0`` included
+    (``-0.0 + 0.0`` is ``+0.0``).
+    """
+    return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
+
+
 def _zeros_like(shapes: Any, like: Any) -> Any:
-    """Zeros of ``shapes``, built from ``like``'s leaves where they match.
+    """Zero updates of ``shapes``, built from ``like``'s leaves where they match.
 
     So they carry the same varying axes under ``shard_map`` as the taken
     branch's updates.
@@ -103,14 +130,14 @@ def _zeros_like(shapes: Any, like: Any) -> Any:
     if jax.tree.structure(shapes) == jax.tree.structure(like):
         return jax.tree.map(
             lambda s, x: (
-                jnp.zeros_like(x, dtype=s.dtype)
+                jnp.full_like(x, _zero(s.dtype), dtype=s.dtype)
                 if getattr(x, "shape", None) == s.shape
-                else jnp.zeros(s.shape, s.dtype)
+                else jnp.full(s.shape, _zero(s.dtype), s.dtype)
             ),
             shapes,
             like,
         )
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.tree.map(lambda s: jnp.full(s.shape, _zero(s.dtype), s.dtype), shapes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -134,10 +161,14 @@ class _Update:
                 "state has no nonfinite_leaves: it was not made by this "
                 "transformation's init (diagnostics=True)"
             )
-        return LossScalingState(
-            check_state(state.loss_scale, argname="state.loss_scale"),
-            state.inner_state,
-            state.nonfinite_leaves,
+        if self.max_consecutive_skips is not None and state.diverged is None:
+            raise TypeError(
+                "state has no diverged flag: it was not made by this "
+                "transformation's init (max_consecutive_skips="
+                f"{self.max_consecutive_skips})"
+            )
+        return state._replace(
+            loss_scale=check_state(state.loss_scale, argname="state.loss_scale")
         )
 
     def finish(
@@ -158,19 +189,45 @@ class _Update:
                     f"of the parameters: {jax.tree.structure(flags)}, got "
                     f"{jax.tree.structure(new)}"
                 )
+            new = jax.tree.map(self._any, new)  # non-finite on any replica
             flags = new
+        diverged = state.diverged
         if self.max_consecutive_skips is not None:
-            check_divergence_on_host(loss_scale, self.max_consecutive_skips)
-        return LossScalingState(loss_scale, inner_state, flags)
+            limit = jnp.int32(self.max_consecutive_skips)
+            diverged = diverged | (loss_scale.consecutive_skips >= limit)
+        return LossScalingState(loss_scale, inner_state, flags, diverged)
+
+    def _axes(self, x: jax.Array) -> tuple[str, ...]:
+        """``axis_name`` and every ``shard_map`` axis ``x`` varies over.
+
+        Under ``shard_map`` a flag computed from gradients sharded over an
+        axis the user did not name (model-parallel parameters, say) varies
+        over it too; reducing over it as well makes every replica agree.
+        """
+        named = self.axis_name
+        named = () if named is None else (named,) if isinstance(named, str) else named
+        varying = _varying_axes(x)
+        return tuple(named) + tuple(sorted(set(varying) - set(named)))
+
+    def _all(self, flag: jax.Array) -> jax.Array:
+        """``flag`` on every replica (see `_axes`)."""
+        axes = self._axes(flag)
+        return lax.pmin(flag.astype(jnp.int32), axes) > 0 if axes else flag
+
+    def _any(self, flag: jax.Array) -> jax.Array:
+        """``flag`` on any replica (see `_axes`)."""
+        axes = self._axes(flag)
+        return lax.pmax(flag.astype(jnp.int32), axes) > 0 if axes else flag
 
     def apply_fused(
         self,
         grads: Any,
         state: LossScalingState,
         params: optax.Params,
-        finite: jax.Array,
+        decision: tuple[jax.Array, jax.Array],
     ) -> tuple[optax.Params, LossScalingState]:
-        """The fused step, given the step's decision."""
+        """The fused step, given the step's decision (see `decide`)."""
+        finite, apply = decision
         loss_scale = state.loss_scale
 
         def step(operands):
@@ -184,31 +241,41 @@ class _Update:
             return _cast_like(params, out[0]), _cast_like(inner_state, out[1])
 
         operands = (grads, state.inner_state, params)
-        params, inner_state = self.guarded(finite, step, skip, operands)
+        params, inner_state = self.guarded(apply, step, skip, operands)
         return params, self.finish(state, grads, finite, inner_state)
 
-    def guarded(self, finite: jax.Array, apply: Any, skip: Any, operands: Any) -> Any:
-        """``apply(operands)`` if finite, else ``skip(operands, apply's shapes)``.
+    def guarded(self, apply: jax.Array, step: Any, skip: Any, operands: Any) -> Any:
+        """``step(operands)`` if ``apply``, else ``skip(operands, step's shapes)``.
 
-        One ``lax.cond``, the finite branch first (XLA then copies nothing);
-        ``skip`` gets ``apply``'s output shapes and dtypes so both branches
-        agree. A scaler with ``skip_nonfinite=False`` always applies.
+        One ``lax.cond``, the applying branch first (XLA then copies nothing);
+        ``skip`` gets ``step``'s output shapes and dtypes so both branches
+        agree.
         """
-        if not self.scaler.skip_nonfinite:
-            return apply(operands)
-        out = jax.eval_shape(apply, operands)
-        return lax.cond(finite, apply, lambda ops: skip(ops, out), operands)
+        out = jax.eval_shape(step, operands)
+        return lax.cond(apply, step, lambda ops: skip(ops, out), operands)
 
-    def grads_finite(self, grads: Any, loss_scale: LossScaleState) -> jax.Array:
-        """The step's decision: are the unscaled gradients all finite?"""
+    def decide(
+        self, grads: Any, loss_scale: LossScaleState
+    ) -> tuple[jax.Array, jax.Array]:
+        """The step's decision: ``(finite, apply)``.
+
+        ``finite``: the unscaled gradients are all finite and the state's
+        scale lies in the scaler's range (a scale set by hand outside it, or
+        nan, counts as a non-finite step). ``apply``: the update is applied;
+        ``finite``, or with ``skip_nonfinite=False`` any step whose scale is
+        in range. Both are reduced across replicas (``axis_name``, and any
+        ``shard_map`` axis the gradients vary over), so every replica takes
+        the same decision.
+        """
+        scale = loss_scale.scale
         finite = unscaled_finite(
             grads,
-            loss_scale.scale,
+            scale,
             scale_may_be_below_one=self.scaler.min_scale_f32 < 1,
         )
-        if self.axis_name is not None:
-            finite = lax.pmin(finite.astype(jnp.int32), self.axis_name) > 0
-        return finite
+        valid = self._all(self.scaler.in_range(scale))
+        finite = self._all(finite) & valid
+        return finite, (finite if self.scaler.skip_nonfinite else valid)
 
     def unscale(self, grads: Any, loss_scale: LossScaleState) -> Any:
         if self.scaler.is_identity:
@@ -224,9 +291,9 @@ class _Update:
     ) -> tuple[optax.Updates, LossScalingState]:
         state = self._state(state)
         loss_scale = state.loss_scale
-        finite = self.grads_finite(updates, loss_scale)
+        finite, apply = self.decide(updates, loss_scale)
 
-        def apply(operands):
+        def step(operands):
             grads, inner_state, params = operands
             grads = self.unscale(grads, loss_scale)
             return self.inner.update(grads, inner_state, params, **extra_args)
@@ -236,7 +303,7 @@ class _Update:
             return _zeros_like(out[0], grads), _cast_like(inner_state, out[1])
 
         operands = (updates, state.inner_state, params)
-        new_updates, inner_state = self.guarded(finite, apply, skip, operands)
+        new_updates, inner_state = self.guarded(apply, step, skip, operands)
         return new_updates, self.finish(state, updates, finite, inner_state)
 
 
@@ -283,11 +350,13 @@ def loss_scaling(
         step (``jls.nonfinite_leaves``, ``jls.nonfinite_paths``). Costs
         nothing on finite steps; a skipped step makes one more exact pass.
       max_consecutive_skips: the divergence limit (MindSpore raises after
-        1000 consecutive overflows): when a step makes this many in a row,
-        a ``jls.DivergenceError`` is raised on the host, surfacing at the next
-        sync point as a runtime error that names it. For an error inside
-        ``jit`` under ``jax.experimental.checkify``, use
-        ``jls.checkify_divergence``. ``None`` (default): no limit.
+        1000 consecutive overflows), an int in ``[1, 2**31 - 1]``: the state's
+        ``diverged`` flag turns ``True`` on the step that makes this many
+        skipped steps in a row, and stays ``True``. It is plain state, exact
+        under ``vmap``, ``scan`` and ``pmap``; `jls.raise_if_diverged`
+        raises `jls.DivergenceError` from it on the host (call it where you
+        log), and `jls.checkify_divergence` inside ``jit``. ``None``
+        (default): no limit.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -309,7 +378,7 @@ def loss_scaling(
       >>> bad = {"w": jnp.array([1.0, jnp.inf])}
       >>> updates, state = tx.update(bad, state, params)
       >>> updates["w"], jls.metrics(state)["loss_scale"]
-      (Array([0., 0.], dtype=float32), Array(2., dtype=float32))
+      (Array([-0., -0.], dtype=float32), Array(2., dtype=float32))
     """
     if not (
         callable(getattr(inner, "init", None))
@@ -337,24 +406,20 @@ def loss_scaling(
         raise TypeError(
             f"axis_name must be None, a str or a tuple of str, got {axis_name!r}"
         )
-    if not isinstance(diagnostics, bool):
-        raise TypeError(f"diagnostics must be a bool, got {diagnostics!r}")
-    if max_consecutive_skips is not None and (
-        isinstance(max_consecutive_skips, bool)
-        or not isinstance(max_consecutive_skips, int)
-        or max_consecutive_skips < 1
-    ):
-        raise ValueError(
-            "max_consecutive_skips must be None or an int >= 1, got "
-            f"{max_consecutive_skips!r}"
+    diagnostics = flag("diagnostics", diagnostics)
+    if max_consecutive_skips is not None:
+        max_consecutive_skips = integer(
+            "max_consecutive_skips", max_consecutive_skips, 1
         )
     inner = optax.with_extra_args_support(cast(optax.GradientTransformation, inner))
 
     def init(params: optax.Params) -> LossScalingState:
-        flags = None
+        flags = diverged = None
         if diagnostics:
-            flags = jax.tree.map(lambda _: jnp.asarray(False), params)
-        return LossScalingState(scaler.init(), inner.init(params), flags)
+            flags = jax.tree.map(lambda _: jnp.asarray(np.bool_(False)), params)
+        if max_consecutive_skips is not None:
+            diverged = jnp.asarray(np.bool_(False))
+        return LossScalingState(scaler.init(), inner.init(params), flags, diverged)
 
     update = _Update(inner, scaler, axis_name, diagnostics, max_consecutive_skips)
     return optax.GradientTransformationExtraArgs(
@@ -403,8 +468,8 @@ def apply_gradients(
     """
     update = update_of(tx)
     state = update._state(opt_state)
-    finite = update.grads_finite(grads, state.loss_scale)
-    return update.apply_fused(grads, state, params, finite)
+    decision = update.decide(grads, state.loss_scale)
+    return update.apply_fused(grads, state, params, decision)
 
 
 def update_of(tx: Any) -> _Update:
@@ -429,15 +494,22 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       A dict of scalar arrays:
 
       * ``loss_scale``: the scale for the next step (float32).
-      * ``skipped``: whether the latest step's gradients were not finite (so
-        its update was dropped, unless the scaler was made with
-        ``skip_nonfinite=False``) (bool).
-      * ``consecutive_skips``: such steps in a row, ending with the latest.
-      * ``total_skips``: such steps so far.
+      * ``skipped``: whether the latest step's update was dropped (bool).
+      * ``nonfinite``: whether the latest step's gradients were not all
+        finite (bool). Equal to ``skipped`` unless the scaler applies such
+        steps (``skip_nonfinite=False``), or the step's scale was outside the
+        scaler's range (then the step counts as non-finite and is dropped).
+      * ``consecutive_skips``: skipped steps in a row, ending with the latest.
+      * ``total_skips``: skipped steps so far. Retries are not steps.
+      * ``consecutive_nonfinite``: steps in a row with non-finite gradients.
       * ``growth_count``: consecutive finite steps towards the next growth.
+      * ``retries``: how many times the latest step's gradients were
+        recomputed (``jls.train_step(..., max_retries=n)``).
       * ``nonfinite_leaves``: with ``loss_scaling(..., diagnostics=True)``,
         the per-leaf flags of `nonfinite_leaves` (no extra pass over the
         gradients on finite steps).
+      * ``diverged``: with ``loss_scaling(..., max_consecutive_skips=n)``,
+        whether the run has reached the limit.
 
     Example:
       >>> import jls
@@ -445,23 +517,33 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       >>> float(m["loss_scale"]), bool(m["skipped"]), int(m["total_skips"])
       (32768.0, False, 0)
     """
-    state = loss_scale_state(opt_state)
+    state = loss_scale_state(opt_state, batched=True)
     return {
         "loss_scale": state.scale,
         "skipped": state.consecutive_skips > 0,
+        "nonfinite": state.consecutive_nonfinite > 0,
         "consecutive_skips": state.consecutive_skips,
         "total_skips": state.total_skips,
+        "consecutive_nonfinite": state.consecutive_nonfinite,
         "growth_count": state.growth_count,
-        **_diagnostics_of(opt_state),
+        "retries": state.retries,
+        **_wrapper_metrics(opt_state),
     }
 
 
-def _diagnostics_of(opt_state: Any) -> dict[str, Any]:
-    found = [x for x in _wrappers(opt_state) if x.nonfinite_leaves is not None]
-    return {"nonfinite_leaves": found[0].nonfinite_leaves} if len(found) == 1 else {}
+def _wrapper_metrics(opt_state: Any) -> dict[str, Any]:
+    found = wrappers(opt_state)
+    if len(found) != 1:
+        return {}
+    out = {}
+    if found[0].nonfinite_leaves is not None:
+        out["nonfinite_leaves"] = found[0].nonfinite_leaves
+    if found[0].diverged is not None:
+        out["diverged"] = found[0].diverged
+    return out
 
 
-def _wrappers(opt_state: Any) -> list[LossScalingState]:
+def wrappers(opt_state: Any) -> list[LossScalingState]:
     """Every `LossScalingState` inside ``opt_state`` (or it itself)."""
     return [
         x
@@ -480,8 +562,7 @@ def applied_steps(step: Any, opt_state: Any) -> jax.Array:
     optimizer's own count (which drives its schedules) only counts applied
     steps. ``applied_steps(state.step, state.opt_state)`` is the number to use
     wherever your code keys something to the step (a hand-written schedule,
-    logging), and matches the inner count. (With ``skip_nonfinite=False``
-    non-finite steps are applied but still counted as skips.)
+    logging), and matches the inner count.
 
     Args:
       step: the caller's step counter (int array or Python int).
@@ -496,12 +577,12 @@ def applied_steps(step: Any, opt_state: Any) -> jax.Array:
       >>> int(jls.applied_steps(5, s))
       4
     """
-    skips = loss_scale_state(opt_state).total_skips
+    skips = loss_scale_state(opt_state, batched=True).total_skips
     return jnp.asarray(step, jnp.int32) - skips
 
 
 def _wrapper_state(opt_state: Any) -> LossScalingState:
-    found = _wrappers(opt_state)
+    found = wrappers(opt_state)
     if len(found) != 1:
         raise ValueError(
             "opt_state must contain exactly one jls.LossScalingState, found "

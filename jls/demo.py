@@ -341,7 +341,7 @@ def train_mode(
             xb, yb = x_train[idx], y_train[idx]
         if uses_jls:  # scale, differentiate, check, apply: one fused jls step
             params, opt_state, out = jls_step(params, opt_state, xb, yb)
-            record = (out.loss, out.loss_scale, out.overflowed)
+            record = (out.loss, out.loss_scale, out.skipped)
         else:
             grads, loss = gradients(params, opt_state, xb, yb)
             updates, opt_state = tx.update(grads, opt_state, params)

@@ -23,14 +23,15 @@ state.
 
 from __future__ import annotations
 
-import numbers
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from jls._scaler import LossScaler, dynamic_scale, no_scale, static_scale
 from jls._state import LossScaleState, loss_scale_state, make_state
+from jls._validate import flag, integer, real
 
 __all__ = [
     "deepspeed",
@@ -77,27 +78,15 @@ def _check(peer: str, ok: bool, message: str) -> None:
 
 
 def _flag(peer: str, name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"jls.presets.{peer}: {name} must be a bool, got {value!r}")
-    return bool(value)
+    return flag(f"jls.presets.{peer}: {name}", value)
 
 
 def _int(peer: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"jls.presets.{peer}: {name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(
-            f"jls.presets.{peer}: {name} must be an int >= {minimum}, got {value!r}"
-        )
-    return int(value)
+    return integer(f"jls.presets.{peer}: {name}", value, minimum)
 
 
 def _real(peer: str, name: str, value: Any) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"jls.presets.{peer}: {name} must be a real number, got {value!r}"
-        )
-    return float(value)
+    return real(f"jls.presets.{peer}: {name}", value)
 
 
 def torch(
@@ -242,7 +231,8 @@ def mindspore(
     float32 scale can differ in the last bits. MindSpore raises after 1000
     consecutive overflows (more than ``bad_step_max``); for the same error
     make the transformation with
-    ``jls.loss_scaling(..., max_consecutive_skips=1001)``.
+    ``jls.loss_scaling(..., max_consecutive_skips=1001)`` and call
+    ``jls.raise_if_diverged(opt_state)``.
 
     Example:
       >>> import jls
@@ -350,8 +340,13 @@ def keras(
     The scale doubles on the ``dynamic_growth_steps``-th consecutive finite
     step and is divided by 2 on every non-finite step.
 
-    Differences, only where Keras breaks: no floor and no growth guard, so
-    the scale can reach 0 or inf; jls keeps it in ``[min_scale, max_scale]``.
+    Differences, only where Keras breaks (measured against Keras 3.15 with
+    the JAX backend in ``tests/test_live_peers.py``): no floor and no growth
+    guard, so the scale can reach 0 (then 0/0 writes nan into the weights on
+    every step) or inf (then every step is skipped forever); jls keeps it in
+    ``[min_scale, max_scale]``. Keras checks the *scaled* gradients, so below
+    scale 1 it applies a step whose unscaled gradients overflow (inf
+    weights); jls checks the unscaled gradients and skips it.
 
     Example:
       >>> import jls
@@ -534,8 +529,8 @@ def deepspeed(
     ``min_scale`` with ``raise_error_at_min_scale``; the scaler cannot raise
     (the argument is validated and otherwise unused). jls keeps skipping at
     ``min_scale``; to stop the run, use
-    ``jls.loss_scaling(..., max_consecutive_skips=n)`` (a host error at the
-    next sync point) or ``jls.checkify_divergence``. The
+    ``jls.loss_scaling(..., max_consecutive_skips=n)`` with
+    ``jls.raise_if_diverged`` (a host error) or ``jls.checkify_divergence``. The
     scale is a float64 Python number in DeepSpeed (see the module notes).
 
     Example:
@@ -608,10 +603,16 @@ def jmp(
     non-finite step, never below ``min_loss_scale``. ``counter`` is the
     count of a run being resumed.
 
-    Differences: jmp's growth is unguarded (the scale can reach inf); jls
-    stops at ``max_scale``. jmp's hand-written ``tree_flatten`` drops
-    ``min_loss_scale``, so under ``jit`` its floor silently becomes 1.0; jls
-    honours the ``min_loss_scale`` you pass.
+    Differences (measured against jmp 0.0.4 under ``jit`` in
+    ``tests/test_live_peers.py``): jmp's hand-written ``tree_flatten`` drops
+    ``min_loss_scale``, so once its state crosses a ``jit`` boundary its floor
+    silently becomes 1.0; jls honours the ``min_loss_scale`` you pass. jmp
+    backs off with ``x / factor``, which XLA compiles into ``x * (1 /
+    factor)``: for a factor that is not a power of two its scale can be one
+    float32 ulp off the exact quotient (factor 3 from 2**15: jmp 3640.8892,
+    jls 3640.889); jls divides exactly. For power-of-two factors (the
+    default 2) the trajectories are bitwise equal. Like jls, jmp only grows
+    to a finite scale.
 
     Example:
       >>> import jls
@@ -699,6 +700,21 @@ def _scalar(value: Any) -> float:
     return float(np.asarray(value, dtype=np.float64).reshape(()))
 
 
+def _state_dict(peer: str, state_dict: Any) -> Mapping[str, Any]:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"jls.presets.from_{peer}_state_dict: state_dict must be a dict (the "
+            f"scaler's state_dict()), got {type(state_dict).__name__}: "
+            f"{state_dict!r:.200}"
+        )
+    return state_dict
+
+
+def _disabled(scaler: LossScaler) -> bool:
+    """Whether ``scaler`` is torch's ``enabled=False`` / Paddle's ``enable=False``."""
+    return scaler == no_scale(skip_nonfinite=False)
+
+
 def to_torch_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
     """The ``torch.amp.GradScaler.state_dict()`` of a jls run.
 
@@ -709,7 +725,8 @@ def to_torch_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
     Returns:
       ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
       "_growth_tracker"}`` as Python numbers, ready for
-      ``GradScaler.load_state_dict``.
+      ``GradScaler.load_state_dict``; ``{}`` for a disabled scaler
+      (``torch(enabled=False)``), as torch's own disabled ``state_dict()``.
 
     Example:
       >>> import jls
@@ -718,6 +735,8 @@ def to_torch_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
       1024.0
     """
     state = loss_scale_state(state)
+    if _disabled(scaler):
+        return {}
     return {
         "scale": _scalar(state.scale),
         "growth_factor": scaler.growth_factor,
@@ -736,7 +755,8 @@ def from_torch_state_dict(
       state_dict: ``GradScaler.state_dict()``; an empty dict (a disabled
         scaler's) gives the disabled preset.
       **kwargs: further `torch` preset arguments (``min_scale``,
-        ``max_scale``).
+        ``max_scale``, ``enabled``). With ``enabled=False`` the state dict is
+        ignored, as torch's disabled ``load_state_dict`` ignores it.
 
     Returns:
       ``(scaler, state)``: the same scale, config and growth tracker.
@@ -749,8 +769,9 @@ def from_torch_state_dict(
       >>> float(state.scale), int(state.growth_count), scaler.growth_interval
       (512.0, 7, 100)
     """
-    if not state_dict:
-        scaler = torch(enabled=False, **kwargs)
+    state_dict = _state_dict("torch", state_dict)
+    if not state_dict or not _flag("torch", "enabled", kwargs.get("enabled", True)):
+        scaler = torch(**dict(kwargs, enabled=False))
         return scaler, scaler.init()
     scale = _scalar(state_dict["scale"])
     tracker = _int("torch", "_growth_tracker", state_dict["_growth_tracker"], 0)
@@ -773,7 +794,9 @@ def to_paddle_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
     """The ``paddle.amp.GradScaler.state_dict()`` of a jls run.
 
     ``scale`` is a float32 numpy array of shape ``[1]`` (Paddle keeps a
-    tensor there); the counters are Python ints.
+    tensor there); the counters are Python ints. A disabled scaler
+    (``paddle(enable=False)``) gives ``{}``, which `from_paddle_state_dict`
+    reads back as the disabled preset.
 
     Example:
       >>> import jls
@@ -782,6 +805,8 @@ def to_paddle_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
       0
     """
     state = loss_scale_state(state)
+    if _disabled(scaler):
+        return {}
     return {
         "scale": np.asarray([state.scale], np.float32),
         "incr_ratio": scaler.growth_factor,
@@ -803,7 +828,8 @@ def from_paddle_state_dict(
       state_dict: ``GradScaler.state_dict()``; an empty dict (a disabled
         scaler's) gives the disabled preset.
       **kwargs: further `paddle` preset arguments (``min_scale``,
-        ``max_scale``).
+        ``max_scale``, ``enable``). With ``enable=False`` the state dict is
+        ignored.
 
     Returns:
       ``(scaler, state)`` with Paddle's scale, ratios, ``incr_count`` and
@@ -819,11 +845,16 @@ def from_paddle_state_dict(
       >>> float(scaler.adjust(state, True).scale)
       4096.0
     """
-    if not state_dict:
-        scaler = paddle(enable=False, **kwargs)
+    state_dict = _state_dict("paddle", state_dict)
+    if not state_dict or not _flag("paddle", "enable", kwargs.get("enable", True)):
+        scaler = paddle(**dict(kwargs, enable=False))
         return scaler, scaler.init()
     scale = _scalar(state_dict["scale"])
-    dynamic = bool(state_dict.get("use_dynamic_loss_scaling", True))
+    dynamic = _flag(
+        "paddle",
+        "use_dynamic_loss_scaling",
+        state_dict.get("use_dynamic_loss_scaling", True),
+    )
     scaler = paddle(
         init_loss_scaling=scale,
         incr_ratio=state_dict["incr_ratio"],
@@ -892,6 +923,7 @@ def from_megatron_state_dict(
       >>> int(state.backoff_count), float(scaler.adjust(state, False).scale)
       (1, 524288.0)
     """
+    state_dict = _state_dict("megatron", state_dict)
     scale = _scalar(state_dict["scale"])
     scaler = megatron(initial_scale=scale, **kwargs)
     tracker = _int("megatron", "growth_tracker", state_dict["growth_tracker"], 0)
@@ -900,8 +932,8 @@ def from_megatron_state_dict(
         tracker < scaler.growth_interval,
         f"growth_tracker must be < growth_interval, got {tracker!r}",
     )
-    hyst = state_dict["hysteresis_tracker"]
-    if isinstance(hyst, (bool, np.bool_)) or not isinstance(hyst, numbers.Integral):
-        hyst = int(np.asarray(hyst).reshape(()))
+    hyst = _int(
+        "megatron", "hysteresis_tracker", state_dict["hysteresis_tracker"], -(2**31)
+    )
     spent = min(max(scaler.hysteresis - int(hyst), 0), scaler.hysteresis)
     return scaler, make_state(scale, growth_count=tracker, backoff_count=spent)

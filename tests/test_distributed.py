@@ -127,7 +127,7 @@ def test_orbax_checkpoint_resumes_bitwise(tmp_path, sharded):
     for mode in ("full", "save", "resume"):
         _run([DIST / "checkpoint.py", mode, tmp_path, *flag], devices)
     full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
-    assert full.files == resumed.files and len(full.files) == 12
+    assert full.files == resumed.files and len(full.files) == 14
     for k in full.files:
         assert full[k].dtype == resumed[k].dtype
         np.testing.assert_array_equal(full[k], resumed[k])

@@ -391,7 +391,11 @@ def test_preset_defaults_are_the_peers():
         ),
         (lambda: P.deepspeed(delayed_shift=0), ValueError, "delayed_shift must be"),
         (lambda: P.deepspeed(scale_window=0), ValueError, "scale_window must be"),
-        (lambda: P.jmp(2.0**15, counter=5, period=5), ValueError, "counter must be in"),
+        (
+            lambda: P.jmp(2.0**15, counter=5, period=5),
+            ValueError,
+            "counter must be an int in",
+        ),
         (lambda: P.jmp(2.0**15, factor=0.5), ValueError, "jmp: factor must be >= 1"),
         (lambda: P.jmp(0.5), ValueError, "loss_scale must be in"),
         (lambda: P.flax(fin_steps=3, growth_interval=2), ValueError, "fin_steps must"),

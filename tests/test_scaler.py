@@ -243,7 +243,7 @@ def test_state_dtypes_and_no_weak_types():
     assert isinstance(state, jls.LossScaleState)
     chex.assert_trees_all_equal_dtypes(
         state,
-        jls.LossScaleState(jnp.float32(0), *(jnp.int32(0) for _ in range(4))),
+        jls.LossScaleState(jnp.float32(0), *(jnp.int32(0) for _ in range(6))),
     )
     for leaf in state:
         assert leaf.shape == () and not leaf.weak_type
@@ -255,7 +255,7 @@ def test_state_dtypes_and_no_weak_types():
 def test_state_survives_flatten_unflatten_and_jit():
     state = jls.dynamic_scale(2.0**10).init()._replace(growth_count=jnp.int32(7))
     leaves, treedef = jax.tree.flatten(state)
-    assert len(leaves) == 5
+    assert len(leaves) == 7
     again = jax.tree.unflatten(treedef, leaves)
     chex.assert_trees_all_equal(again, state, strict=True)
     chex.assert_trees_all_equal(jax.jit(lambda s: s)(state), state, strict=True)

@@ -140,6 +140,9 @@ def test_metrics():
         "consecutive_skips": jnp.int32,
         "total_skips": jnp.int32,
         "growth_count": jnp.int32,
+        "nonfinite": jnp.bool_,
+        "consecutive_nonfinite": jnp.int32,
+        "retries": jnp.int32,
     }
 
 
@@ -173,7 +176,15 @@ def test_public_names():
     assert set(jls.__all__) == expected
     assert all(hasattr(jls, name) for name in expected)
     assert jax.tree.leaves(jls.LossScaleState._fields) == list(
-        ("scale", "growth_count", "backoff_count", "consecutive_skips", "total_skips")
+        (
+            "scale",
+            "growth_count",
+            "backoff_count",
+            "consecutive_skips",
+            "total_skips",
+            "consecutive_nonfinite",
+            "retries",
+        )
     )
 
 

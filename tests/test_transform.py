@@ -274,7 +274,9 @@ def test_skip_nonfinite_false_applies_the_step():
         params, state, {"w": jnp.array([np.inf, 2.0])}
     )
     assert np.isneginf(new_params["w"][0]) and float(new_params["w"][1]) == 0.0
-    assert int(jls.metrics(new_state)["total_skips"]) == 1
+    m = jls.metrics(new_state)
+    assert int(m["total_skips"]) == 0 and not bool(m["skipped"])
+    assert int(m["consecutive_nonfinite"]) == 1 and bool(m["nonfinite"])
 
 
 def test_one_trace_for_100_steps_with_random_overflow():

@@ -1,0 +1,98 @@
+"""Validation of configuration values, written once for every factory.
+
+Each validator takes the user's own argument name (so a preset names its
+framework's argument, not jls's) and the value, and returns the value as a
+plain Python number or bool, or raises ``TypeError``/``ValueError`` naming
+both. Besides Python numbers they accept what peers document as the same
+thing: numpy scalars and concrete 0-d numpy or JAX arrays (jmp's
+``DynamicLossScale(jnp.float32(2**15))``). Traced values are refused: a
+configuration is fixed when the object is made.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+I32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _scalar(name: str, value: Any) -> Any:
+    """Unwraps a concrete 0-d array into a numpy scalar; other values pass."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a concrete number, not a traced value inside jit/vmap; "
+            f"got {value!r:.200}"
+        )
+    if not isinstance(value, (numbers.Number, np.generic)) and hasattr(
+        value, "__array__"
+    ):  # numpy and JAX arrays, and other frameworks' tensors
+        value = np.asarray(value)
+        if value.shape != ():
+            raise TypeError(
+                f"{name} must be a scalar, got an array of shape "
+                f"{value.shape}: {value!r:.200}"
+            )
+        return np.asarray(value)[()]
+    return value
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, (bool, np.bool_))
+
+
+def real(name: str, value: Any) -> float:
+    """A finite real number (not a bool)."""
+    value = _scalar(name, value)
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def to_f32(value: float) -> float:
+    """``value`` rounded to float32 (inf past the float32 range), as a float."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(value))
+
+
+def positive_f32(name: str, value: Any) -> float:
+    """A positive real whose float32 rounding is a normal, finite float32."""
+    value = real(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    if not F32_TINY <= to_f32(value) <= F32_MAX:
+        raise ValueError(
+            f"{name} must be representable as a normal float32 (between "
+            f"{F32_TINY!r} and {F32_MAX!r}; XLA flushes subnormals to zero), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def integer(name: str, value: Any, low: int, high: int = I32_MAX) -> int:
+    """An integer (Python, numpy or a 0-d integer array) in ``[low, high]``."""
+    value = _scalar(name, value)
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if not low <= value <= high:
+        bounds = f">= {low}" if high == I32_MAX else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {bounds}, got {value!r}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    """A bool (Python or numpy); strings and numbers are refused."""
+    value = _scalar(name, value)
+    if not _is_bool(value):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
