@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from jls._validate import F32_MAX, F32_TINY, flag, positive_f32, to_f32
 
@@ -199,7 +200,7 @@ def check_scale_value(state: LossScaleState, *, argname: str) -> None:
     ``[min_scale, max_scale]`` (nan included) as a non-finite step.
     """
     scale = state.scale
-    if isinstance(scale, jax.core.Tracer):
+    if isinstance(scale, Tracer):
         return
     value = float(np.asarray(scale))
     if not F32_TINY <= value <= F32_MAX:
@@ -306,16 +307,12 @@ def set_loss_scale(
     reset_counters = flag("reset_counters", reset_counters)
     if scaler is not None and not isinstance(scaler, LossScaler):
         raise TypeError(f"scaler must be a jls.LossScaler or None, got {scaler!r:.200}")
-    if reset_counters and scaler is None:
-        raise ValueError(
-            "reset_counters=True needs scaler=...: the growth count restarts "
-            "at that scaler's restart value"
-        )
+
     old = loss_scale_state(opt_state)
     low, high = F32_TINY, F32_MAX
     if scaler is not None:
         low, high = scaler.min_scale_f32, scaler.max_scale_f32
-    if isinstance(scale, jax.core.Tracer):
+    if isinstance(scale, Tracer):
         if scale.shape != () or not (
             jnp.issubdtype(scale.dtype, jnp.floating)
             or jnp.issubdtype(scale.dtype, jnp.integer)
@@ -336,6 +333,11 @@ def set_loss_scale(
             )
         new_scale = jnp.asarray(np.float32(value))
     if reset_counters:
+        if scaler is None:
+            raise ValueError(
+                "reset_counters=True needs scaler=...: the growth count restarts "
+                "at that scaler's restart value"
+            )
         restart = make_state(1.0, growth_count=scaler.growth_restart)
         new = restart._replace(scale=new_scale)
     else:

@@ -15,8 +15,8 @@ import math
 import numbers
 from typing import Any
 
-import jax
 import numpy as np
+from jax.core import Tracer
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
@@ -25,7 +25,7 @@ I32_MAX = int(np.iinfo(np.int32).max)
 
 def _scalar(name: str, value: Any) -> Any:
     """Unwraps a concrete 0-d array into a numpy scalar; other values pass."""
-    if isinstance(value, jax.core.Tracer):
+    if isinstance(value, Tracer):
         raise TypeError(
             f"{name} must be a concrete number, not a traced value inside jit/vmap; "
             f"got {value!r:.200}"

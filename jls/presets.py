@@ -747,7 +747,7 @@ def to_torch_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
 
 
 def from_torch_state_dict(
-    state_dict: dict[str, Any], **kwargs: Any
+    state_dict: Mapping[str, Any], **kwargs: Any
 ) -> tuple[LossScaler, LossScaleState]:
     """A jls scaler and state resuming a ``torch.amp.GradScaler`` checkpoint.
 
@@ -820,7 +820,7 @@ def to_paddle_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
 
 
 def from_paddle_state_dict(
-    state_dict: dict[str, Any], **kwargs: Any
+    state_dict: Mapping[str, Any], **kwargs: Any
 ) -> tuple[LossScaler, LossScaleState]:
     """A jls scaler and state resuming a ``paddle.amp.GradScaler`` checkpoint.
 
@@ -902,7 +902,7 @@ def to_megatron_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
 
 
 def from_megatron_state_dict(
-    state_dict: dict[str, Any], **kwargs: Any
+    state_dict: Mapping[str, Any], **kwargs: Any
 ) -> tuple[LossScaler, LossScaleState]:
     """A jls scaler and state resuming a Megatron ``DynamicGradScaler``.
 
