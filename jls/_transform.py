@@ -112,6 +112,22 @@ def _cast_like(tree: Any, like: Any) -> Any:
     )
 
 
+def _check_gradient_dtypes(grads: Any) -> None:
+    """Refuses, at trace time, gradient dtypes that cannot hold a zero update.
+
+    ``float8_e8m0fnu`` (an exponent-only scale format) has no zero: any
+    optimizer's update, and jls's skipped-step zeros, would be nan.
+    """
+    for leaf in jax.tree.leaves(grads):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and np.dtype(dtype).name == "float8_e8m0fnu":
+            raise TypeError(
+                "a gradient leaf has dtype float8_e8m0fnu, which has no zero: it "
+                "cannot hold gradients or updates (every zero becomes nan). Keep "
+                "such scale factors out of the optimized tree (e.g. optax.masked)."
+            )
+
+
 def _zero(dtype: Any) -> Any:
     """The zero update of ``dtype``: ``-0.0`` for floats, 0 for others.
 
@@ -267,6 +283,7 @@ class _Update:
         ``shard_map`` axis the gradients vary over), so every replica takes
         the same decision.
         """
+        _check_gradient_dtypes(grads)
         scale = loss_scale.scale
         finite = unscaled_finite(
             grads,

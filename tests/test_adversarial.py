@@ -522,6 +522,17 @@ def test_10_fp8_and_fp4_leaves_work_everywhere(dtype, path):
     assert_bitwise_equal(new, params)
 
 
+def test_10_e8m0_has_no_zero_and_is_refused_at_trace_time():
+    # all_finite accepts it; as a gradient every zero update would be nan.
+    d = jnp.float8_e8m0fnu
+    assert not bool(jls.all_finite([jnp.array([1.0, jnp.nan], d)]))
+    params = {"q": jnp.array([1.0, 2.0], d)}
+    tx = jls.loss_scaling(optax.sgd(0.0), jls.static_scale(4.0))
+    for path in PATHS.values():
+        with pytest.raises(TypeError, match="float8_e8m0fnu"):
+            path(tx)(params, tx.init(params), {"q": jnp.array([4.0, 4.0], d)})
+
+
 # 11. Peers' own constructions; exact division under vmap ------------------
 
 
