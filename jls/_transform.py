@@ -3,18 +3,21 @@
 One step, inside ``jit``:
 
 1. Check that the unscaled gradients would all be finite, reading the
-   still-scaled gradients once (``jls._finite.unscaled_finite``: one sum
-   per leaf at the memory-bandwidth floor, exact). For a scale >= 1 this is
-   the same question; a scaler that can go below 1 tests the unscaled values
-   while it is there. With ``axis_name`` the flag is reduced across
-   replicas (``pmin``), so every replica takes the same decision.
-2. ``lax.cond`` on the flag, the finite branch first. It unscales the
+   still-scaled gradients once (``jls._finite.unscaled_finite``: one sum of
+   magnitudes per leaf at the memory-bandwidth floor, exact, and immune to
+   the compiler fusing the gradient's producer into it). For a scale >= 1
+   this is the same question; a scaler that can go below 1 tests the
+   unscaled values while it is there. A scale outside the scaler's range
+   counts as non-finite. The flags are reduced across replicas (``pmin``
+   over ``axis_name`` and any ``shard_map`` axis the gradients vary over),
+   so every replica takes the same decision.
+2. ``lax.cond`` on the decision, the applying branch first. It unscales the
    gradients (a multiplication by the reciprocal scale, which XLA fuses
    into the optimizer's elementwise update), runs the inner optimizer and,
    in `apply_gradients`, adds the updates to the parameters. The other
-   branch passes the inner state (and parameters) through and returns zero
-   updates. Nothing is selected with masks, so a nan can never reach a state
-   through ``0 * nan``, and a skipped step computes nothing.
+   branch passes the inner state (and parameters) through and returns
+   ``-0.0`` updates. Nothing is selected with masks, so a nan can never
+   reach a state through ``0 * nan``, and a skipped step computes nothing.
 3. Adjust the loss scale (scalar work).
 
 How this was chosen (``benchmarks/bench_step.py`` and scripts like it, on
