@@ -281,7 +281,13 @@ class LossScaler:
         )
         return make_state(self.init_scale, growth_count=count)
 
-    def adjust(self, state: LossScaleState, grads_finite: ArrayLike) -> LossScaleState:
+    def adjust(
+        self,
+        state: LossScaleState,
+        grads_finite: ArrayLike,
+        *,
+        applied: ArrayLike | None = None,
+    ) -> LossScaleState:
         """Advances the state machine by one step.
 
         Pure and jittable; under ``vmap`` it adjusts each state independently.
@@ -290,6 +296,12 @@ class LossScaler:
           state: the current `LossScaleState`.
           grads_finite: a scalar bool, whether this step's gradients were all
             finite.
+          applied: a scalar bool, whether the step's update was applied; it
+            drives the skip counters. Default: derived here (the step is
+            applied when the gradients are finite, or with
+            ``skip_nonfinite=False`` when the scale is in range).
+            `loss_scaling` passes the decision it took, reduced across
+            replicas, so the counters say what happened.
 
         Returns:
           The next `LossScaleState`.
@@ -320,9 +332,18 @@ class LossScaler:
         scale = state.scale
         valid = self.in_range(scale)
         finite = finite & valid
-        # The update is dropped when the gradients are not finite (unless the
-        # scaler applies such steps) and always when the scale was invalid.
-        dropped = ~finite if self.skip_nonfinite else ~valid
+        if applied is None:
+            # Dropped when the gradients are not finite (unless the scaler
+            # applies such steps), and always when the scale was invalid.
+            dropped = ~finite if self.skip_nonfinite else ~valid
+        else:
+            applied = jnp.asarray(applied)
+            if applied.dtype != jnp.bool_ or applied.shape != ():
+                raise TypeError(
+                    "applied must be a scalar bool, got dtype "
+                    f"{applied.dtype} and shape {applied.shape}"
+                )
+            dropped = ~applied
 
         # Growth: on the growth_interval-th consecutive finite step (counting
         # from growth_restart after the start or a non-finite step), unless

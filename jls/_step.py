@@ -231,8 +231,11 @@ def train_step(
 
             def worth_another(carry):
                 loss_scale, _, _, _, (finite, _), retries = carry
+                # A retry needs a valid scale (an out-of-range state is
+                # dropped, not retried) that the rule would lower.
                 lower = backed_off(loss_scale).scale < loss_scale.scale
-                return ~finite & (retries < max_retries) & lower
+                valid = scaler.in_range(loss_scale.scale)
+                return ~finite & (retries < max_retries) & lower & valid
 
             carry = lax.while_loop(
                 worth_another,

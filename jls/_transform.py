@@ -137,6 +137,8 @@ def _zero(dtype: Any) -> Any:
     ``p + (-0.0)`` is ``p`` bitwise for every float ``p``, ``-0.0`` included
     (``-0.0 + 0.0`` is ``+0.0``).
     """
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return complex(-0.0, -0.0)  # both parts: -0.0 + 0.0 is +0.0
     return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
 
 
@@ -194,11 +196,12 @@ class _Update:
         self,
         state: LossScalingState,
         grads: Any,
-        finite: jax.Array,
+        decision: tuple[jax.Array, jax.Array],
         inner_state: optax.OptState,
     ) -> LossScalingState:
         """The state after a step: adjusted scale, diagnostics, divergence."""
-        loss_scale = self.scaler.adjust(state.loss_scale, finite)
+        finite, apply = decision
+        loss_scale = self.scaler.adjust(state.loss_scale, finite, applied=apply)
         flags = state.nonfinite_leaves
         if self.diagnostics:
             new = nonfinite_leaf_flags(grads, finite, state.loss_scale.scale)
@@ -261,7 +264,7 @@ class _Update:
 
         operands = (grads, state.inner_state, params)
         params, inner_state = self.guarded(apply, step, skip, operands)
-        return params, self.finish(state, grads, finite, inner_state)
+        return params, self.finish(state, grads, decision, inner_state)
 
     def guarded(self, apply: jax.Array, step: Any, skip: Any, operands: Any) -> Any:
         """``step(operands)`` if ``apply``, else ``skip(operands, step's shapes)``.
@@ -324,7 +327,7 @@ class _Update:
 
         operands = (updates, state.inner_state, params)
         new_updates, inner_state = self.guarded(apply, step, skip, operands)
-        return new_updates, self.finish(state, updates, finite, inner_state)
+        return new_updates, self.finish(state, updates, (finite, apply), inner_state)
 
 
 def loss_scaling(

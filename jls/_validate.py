@@ -52,7 +52,10 @@ def real(name: str, value: Any) -> float:
     value = _scalar(name, value)
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond every float
+        raise ValueError(f"{name} must be finite, got {value!r:.100}") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return value

@@ -23,6 +23,7 @@ state.
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -696,8 +697,18 @@ def flax(
 # State interchange ---------------------------------------------------------
 
 
-def _scalar(value: Any) -> float:
-    return float(np.asarray(value, dtype=np.float64).reshape(()))
+def _scalar(name: str, value: Any) -> float:
+    """A state dict's number: a real scalar, or an array of one element.
+
+    Paddle keeps ``scale`` as a shape-[1] tensor; strings and bools are refused.
+    """
+    if not isinstance(value, (numbers.Number, np.generic, str)) and hasattr(
+        value, "__array__"
+    ):
+        array = np.asarray(value)
+        if array.size == 1:
+            value = array.reshape(())
+    return real(name, value)
 
 
 def _state_dict(peer: str, state_dict: Any) -> Mapping[str, Any]:
@@ -738,7 +749,7 @@ def to_torch_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
     if _disabled(scaler):
         return {}
     return {
-        "scale": _scalar(state.scale),
+        "scale": _scalar("state.scale", state.scale),
         "growth_factor": scaler.growth_factor,
         "backoff_factor": scaler.backoff_factor,
         "growth_interval": scaler.growth_interval,
@@ -773,7 +784,7 @@ def from_torch_state_dict(
     if not state_dict or not _flag("torch", "enabled", kwargs.get("enabled", True)):
         scaler = torch(**dict(kwargs, enabled=False))
         return scaler, scaler.init()
-    scale = _scalar(state_dict["scale"])
+    scale = _scalar("state_dict['scale']", state_dict["scale"])
     tracker = _int("torch", "_growth_tracker", state_dict["_growth_tracker"], 0)
     scaler = torch(
         init_scale=scale,
@@ -849,7 +860,7 @@ def from_paddle_state_dict(
     if not state_dict or not _flag("paddle", "enable", kwargs.get("enable", True)):
         scaler = paddle(**dict(kwargs, enable=False))
         return scaler, scaler.init()
-    scale = _scalar(state_dict["scale"])
+    scale = _scalar("state_dict['scale']", state_dict["scale"])
     dynamic = _flag(
         "paddle",
         "use_dynamic_loss_scaling",
@@ -895,7 +906,7 @@ def to_megatron_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
     """
     state = loss_scale_state(state)
     return {
-        "scale": _scalar(state.scale),
+        "scale": _scalar("state.scale", state.scale),
         "growth_tracker": int(state.growth_count),
         "hysteresis_tracker": scaler.hysteresis - int(state.backoff_count),
     }
@@ -924,7 +935,7 @@ def from_megatron_state_dict(
       (1, 524288.0)
     """
     state_dict = _state_dict("megatron", state_dict)
-    scale = _scalar(state_dict["scale"])
+    scale = _scalar("state_dict['scale']", state_dict["scale"])
     scaler = megatron(initial_scale=scale, **kwargs)
     tracker = _int("megatron", "growth_tracker", state_dict["growth_tracker"], 0)
     _check(

@@ -24,7 +24,8 @@ def _bits(tree):
     out = []
     for x in jax.tree.leaves(tree):
         x = np.asarray(x)
-        out.append(x.view(f"u{x.dtype.itemsize}") if x.dtype.kind in "fc" else x)
+        inexact = jnp.issubdtype(x.dtype, jnp.inexact)  # bfloat16's kind is "V"
+        out.append(x.view(f"u{x.dtype.itemsize}") if inexact else x)
     return out
 
 
@@ -275,6 +276,20 @@ def test_4_no_retry_that_cannot_change_the_outcome(scaler):
     assert int(jls.metrics(state)["total_skips"]) == 1
 
 
+def test_4_an_out_of_range_scale_is_dropped_not_retried():
+    tx = jls.loss_scaling(optax.sgd(1.0), jls.dynamic_scale(2.0**8, max_scale=2.0**12))
+    step = jax.jit(jls.train_step(lambda p, x: jnp.sum(p * x), tx, max_retries=4))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    state = state._replace(
+        loss_scale=state.loss_scale._replace(scale=jnp.float32(2**20))
+    )
+    new, state, out = step(params, state, jnp.ones(2))
+    assert bool(out.skipped) and int(out.retries) == 0
+    assert_bitwise_equal(new, params)
+    assert float(out.next_loss_scale) == 2.0**12
+
+
 def test_4_spent_hysteresis_retries_and_counts_one_step():
     scaler = jls.presets.megatron(initial_scale=2.0**14, hysteresis=2)
     tx = jls.loss_scaling(optax.sgd(0.0), scaler)
@@ -451,6 +466,29 @@ def test_8_negative_zero_params_survive_a_skip(path, dtype):
     assert_bitwise_equal(new, params)
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+def test_8_complex_negative_zero_parts_survive_a_skip(path):
+    params = {"z": jnp.array([complex(-0.0, -0.0), complex(0.0, -0.0)], jnp.complex64)}
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    grads = {"z": jnp.array([1.0, complex(jnp.nan, 0.0)], jnp.complex64)}
+    new, state = PATHS[path](tx)(params, tx.init(params), grads)
+    assert bool(jls.metrics(state)["skipped"])
+    assert_bitwise_equal(new, params)
+
+
+def test_8_fused_skip_keeps_nan_payloads():
+    # The fused path returns the parameters themselves. (On the tx.update
+    # path optax.apply_updates adds -0.0: x86 quiets signalling nans and
+    # XLA's bfloat16 conversion canonicalises nan payloads; see the README.)
+    f32 = np.array([0x7F800001, 0x7FC00001], np.uint32).view(np.float32)
+    bf16 = np.array([0x7FC1, 0x7F81], np.uint16).view(jnp.bfloat16)
+    params = {"a": jnp.asarray(f32), "b": jnp.asarray(bf16)}
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    grads = {"a": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2, jnp.bfloat16)}
+    new, _ = _fused_step(tx)(params, tx.init(params), grads)
+    assert_bitwise_equal(new, params)
+
+
 def test_8_skipped_updates_are_negative_zeros_of_the_params_dtype():
     params = {"a": jnp.zeros(2, jnp.bfloat16), "b": jnp.zeros(2)}
     tx = jls.loss_scaling(optax.sgd(0.1))
@@ -480,6 +518,25 @@ def test_9_diagnostics_are_reduced_across_a_named_axis():
     np.testing.assert_array_equal(flags["a"], [False, False])
     np.testing.assert_array_equal(flags["b"], [True, True])  # replica 0 too
     np.testing.assert_array_equal(jls.metrics(states)["skipped"], [True, True])
+
+
+def test_9_counters_follow_the_replica_reduced_decision():
+    # skip_nonfinite=False, one replica's scale out of range: the decision
+    # (dropped everywhere) is reduced across replicas, and so are the counts.
+    scaler = jls.presets.mindspore_fixed(128.0, drop_overflow_update=False)
+    tx = jls.loss_scaling(optax.sgd(0.1), scaler, axis_name="r")
+    params = jnp.zeros((2, 2))
+    states = jax.vmap(tx.init)(params)
+    scales = jnp.array([128.0, 64.0], jnp.float32)
+    states = states._replace(loss_scale=states.loss_scale._replace(scale=scales))
+    step = jax.jit(
+        jax.vmap(lambda p, s, g: jls.apply_gradients(tx, g, s, p), axis_name="r")
+    )
+    new, states = step(params, states, jnp.ones((2, 2)))
+    assert_bitwise_equal(new, params)
+    m = jls.metrics(states)
+    np.testing.assert_array_equal(m["skipped"], [True, True])
+    np.testing.assert_array_equal(m["total_skips"], [1, 1])
 
 
 # 10. Every dtype all_finite accepts works everywhere ----------------------
@@ -608,6 +665,27 @@ BAD_CONFIG = [
         "hysteresis_tracker",
     ),
     (lambda: jls.presets.from_torch_state_dict(None), "state_dict"),
+    (lambda: jls.dynamic_scale(init_scale=10**400), "init_scale"),
+    (lambda: jls.presets.torch(growth_factor=10**400), "growth_factor"),
+    (lambda: jls.set_loss_scale(jls.no_scale().init(), 10**400), "scale"),
+    (
+        lambda: jls.presets.from_torch_state_dict(
+            {
+                "scale": "512",
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 10,
+                "_growth_tracker": 0,
+            }
+        ),
+        "scale",
+    ),
+    (
+        lambda: jls.presets.from_megatron_state_dict(
+            {"scale": True, "growth_tracker": 0, "hysteresis_tracker": 1}
+        ),
+        "scale",
+    ),
     (lambda: jls.presets.from_paddle_state_dict("x"), "state_dict"),
 ]
 
