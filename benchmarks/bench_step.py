@@ -12,6 +12,8 @@ Variants:
   plain      optax.adam, no loss scaling (the floor).
   jls_fused  jls.loss_scaling + jls.apply_gradients.
   jls_update jls.loss_scaling + tx.update + optax.apply_updates.
+  jls_fused_sum_check  jls_fused with jls 0.1's plain-sum check, which the
+             compiler can fool (issue 10): what the fusion-proof check costs.
   jmp        jmp.DynamicLossScale, unscale, jmp.all_finite, jmp.select_tree
              over (params, opt_state): the idiom from jmp's README.
   apply_if_finite  optax.apply_if_finite(adam) with a manual static scale.
@@ -25,6 +27,7 @@ Needs the ``bench`` extra (flax, jmp).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
@@ -40,6 +43,7 @@ import optax
 from flax.training.dynamic_scale import DynamicScale
 
 import jls
+from jls import _finite
 
 
 class Block(nn.Module):
@@ -120,6 +124,17 @@ def make_problem(name: str):
     return loss_fn, params, (x, y)
 
 
+@contextlib.contextmanager
+def _plain_sum_check():
+    """While tracing: jls's check as jls 0.1 had it, ``sum(x)`` per leaf."""
+    saved = _finite._magnitude_sum
+    _finite._magnitude_sum = lambda x: jnp.sum(x, dtype=_finite.compute_dtype(x.dtype))
+    try:
+        yield
+    finally:
+        _finite._magnitude_sum = saved
+
+
 def make_variants(loss_fn, params):
     """Returns {name: (jitted step, initial opt_state)}."""
     adam = optax.adam(1e-4)
@@ -147,8 +162,16 @@ def make_variants(loss_fn, params):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
+    @donate
+    def jls_fused_sum_check(params, state, batch):
+        # jls 0.1's check, a plain sum per leaf, which the compiler can fool
+        # (issue 10): the cost of the fusion-proof sum of magnitudes.
+        with _plain_sum_check():
+            return jls_fused(params, state, batch)
+
     variants["jls_fused"] = (jls_fused, tx.init(params))
     variants["jls_update"] = (jls_update, tx.init(params))
+    variants["jls_fused_sum_check"] = (jls_fused_sum_check, tx.init(params))
 
     @donate
     def jmp_select(params, state, batch):
