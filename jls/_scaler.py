@@ -409,7 +409,8 @@ class LossScaler:
             consecutive_nonfinite=_count_if(
                 ~finite, state.consecutive_nonfinite, i32(0)
             ),
-            retries=i32(0),
+            # Derived from the input, so a donated buffer is reused, not dropped.
+            retries=state.retries * i32(0),
         )
 
 

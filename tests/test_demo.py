@@ -126,6 +126,7 @@ def test_underflow_fraction_counts_only_entries_nonzero_in_float32():
     assert float(demo.underflow_fraction(reference, reference)) == 0.0
 
 
+@pytest.mark.slow
 def test_the_demo_shows_the_problem_and_the_fix():
     """The README's claim, on a shortened default run (deterministic on CPU).
 

@@ -89,6 +89,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_agree(tmp_path):
     port = _free_port()
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
@@ -120,6 +121,7 @@ def test_two_processes_agree(tmp_path):
     assert steps[3]["params"] != steps[2]["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True])
 def test_orbax_checkpoint_resumes_bitwise(tmp_path, sharded):
     devices = 8 if sharded else 1

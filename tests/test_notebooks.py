@@ -11,13 +11,8 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
 
-def test_the_four_notebooks_are_there():
-    assert [p.name for p in NOTEBOOKS] == [
-        "01_quickstart.ipynb",
-        "02_flax.ipynb",
-        "03_why_loss_scaling.ipynb",
-        "04_migration.ipynb",
-    ]
+def test_notebooks_are_found():
+    assert NOTEBOOKS, "no notebooks found in notebooks/"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -29,6 +24,7 @@ def test_committed_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, path.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")

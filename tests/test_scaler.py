@@ -51,7 +51,6 @@ def _run(scaler, finite, state=None):
 
 
 def test_rule_cases_cover_the_vectors():
-    assert len(RULE_CASES) == 15
     assert {c["name"] for c in VECTORS} - {c["name"] for c in RULE_CASES} == {
         "deepspeed_fp16_window",
         "deepspeed_fp16_overflow",
