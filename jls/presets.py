@@ -700,8 +700,11 @@ def flax(
 def _scalar(name: str, value: Any) -> float:
     """A state dict's number: a real scalar, or an array of one element.
 
-    Paddle keeps ``scale`` as a shape-[1] tensor; strings and bools are refused.
+    Paddle keeps ``scale`` as a shape-[1] tensor (or a one-element list);
+    strings and bools are refused.
     """
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
     if not isinstance(value, (numbers.Number, np.generic, str)) and hasattr(
         value, "__array__"
     ):
