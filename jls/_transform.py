@@ -211,7 +211,9 @@ class _Update:
                     f"of the parameters: {jax.tree.structure(flags)}, got "
                     f"{jax.tree.structure(new)}"
                 )
-            new = jax.tree.map(self._any, new)  # non-finite on any replica
+            leaves, treedef = jax.tree.flatten(new)  # non-finite on any replica
+            if leaves:
+                new = jax.tree.unflatten(treedef, self._agree(leaves, lax.pmax))
             flags = new
         diverged = state.diverged
         if self.max_consecutive_skips is not None:
@@ -231,15 +233,18 @@ class _Update:
         varying = _varying_axes(x)
         return tuple(named) + tuple(sorted(set(varying) - set(named)))
 
-    def _all(self, flag: jax.Array) -> jax.Array:
-        """``flag`` on every replica (see `_axes`)."""
-        axes = self._axes(flag)
-        return lax.pmin(flag.astype(jnp.int32), axes) > 0 if axes else flag
+    def _agree(self, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
+        """Scalar bool ``flags`` reduced across replicas, in one collective.
 
-    def _any(self, flag: jax.Array) -> jax.Array:
-        """``flag`` on any replica (see `_axes`)."""
-        axes = self._axes(flag)
-        return lax.pmax(flag.astype(jnp.int32), axes) > 0 if axes else flag
+        ``reduce`` is ``lax.pmin`` (true on every replica) or ``lax.pmax``
+        (true on any); see `_axes` for the axes.
+        """
+        stacked = jnp.stack([f.astype(jnp.int32) for f in flags])
+        axes = self._axes(stacked)
+        if not axes:
+            return flags
+        agreed = reduce(stacked, axes) > 0
+        return [agreed[i] for i in range(len(flags))]
 
     def apply_fused(
         self,
@@ -296,8 +301,8 @@ class _Update:
             scale,
             scale_may_be_below_one=self.scaler.min_scale_f32 < 1,
         )
-        valid = self._all(self.scaler.in_range(scale))
-        finite = self._all(finite) & valid
+        finite, valid = self._agree([finite, self.scaler.in_range(scale)], lax.pmin)
+        finite = finite & valid
         return finite, (finite if self.scaler.skip_nonfinite else valid)
 
     def unscale(self, grads: Any, loss_scale: LossScaleState) -> Any:

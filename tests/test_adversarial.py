@@ -539,6 +539,17 @@ def test_9_counters_follow_the_replica_reduced_decision():
     np.testing.assert_array_equal(m["total_skips"], [1, 1])
 
 
+def test_9_replicas_agree_in_one_collective_per_reduction():
+    # One all-reduce for the decision (finite and scale-in-range together)
+    # and one for every leaf's diagnostic flag, whatever the number of leaves.
+    tx = jls.loss_scaling(optax.sgd(0.1), axis_name="r", diagnostics=True)
+    params = {f"p{i}": jnp.zeros((1, 3)) for i in range(5)}
+    states = jax.pmap(tx.init)(params)
+    step = jax.pmap(lambda p, s, g: jls.apply_gradients(tx, g, s, p), axis_name="r")
+    text = step.lower(params, states, params).as_text()
+    assert text.count("all_reduce") == 2, text.count("all_reduce")
+
+
 # 10. Every dtype all_finite accepts works everywhere ----------------------
 
 
