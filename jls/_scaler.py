@@ -15,20 +15,19 @@ The dynamic rule (Micikevicius et al., 2018), in pseudo-code::
                 scale = scale * growth_factor     # else the scale stays
             backoff_count = 0                     # hysteresis restored
         if backoff_interval > 1 or consecutive_hysteresis:
-            backoff_count = 0                     # Paddle, DeepSpeed
+            backoff_count = 0
     else:
         growth_count = 0
         backoff_count += 1   # (kept at 0 when backoff_interval == hysteresis == 1)
         if backoff_count >= max(backoff_interval, hysteresis):
             scale = max(scale * backoff_factor, min_scale)
-            if backoff_interval > 1: backoff_count = 0   # Paddle: restart
+            if backoff_interval > 1: backoff_count = 0   # the count restarts
             # with hysteresis the count stays: every further non-finite step
-            # backs off again until the scale next grows (Megatron, DeepSpeed)
+            # backs off again until the scale next grows
 
 A static scaler is the same rule with both factors 1; `no_scale` is the static
-scaler of scale 1. Peers' variants (Paddle's ``decr_every_n_nan_or_inf``,
-Megatron's ``hysteresis``, DeepSpeed's ``consecutive_hysteresis``) are
-configuration of this rule, never separate code paths.
+scaler of scale 1. Other frameworks' variants are configuration of this rule
+(`jls.presets`), never separate code paths.
 
 References:
   Micikevicius et al., "Mixed Precision Training", ICLR 2018.
@@ -37,6 +36,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,49 +45,89 @@ import optax
 from jax.typing import ArrayLike
 
 from jls._state import LossScaleState, check_state, make_state
-from jls._validate import (
-    F32_MAX,
-    F32_TINY,
-    flag,
-    integer,
-    positive_f32,
-    real,
-    to_f32,
-)
+from jls._validate import F32_MAX, factor, flag, integer, positive_f32, real, to_f32
 
-_F32_MAX = F32_MAX
+Namer = Callable[[str], str]
 
 
-def _factor(name: str, value: Any, *, below_one: bool) -> float:
-    """A scale factor, ``>= 1`` or in ``(0, 1]``, that stays itself in float32.
+def _own(field: str) -> str:
+    return field
 
-    ``1e39`` is inf in float32 and ``0.99999999`` rounds to 1 (a factor that
-    would never change the scale): both are refused.
+
+def _config(fields: dict[str, Any], name: Namer) -> dict[str, Any]:
+    """Validates a scaler's fields; returns them normalised.
+
+    ``name(field)`` is the argument name an error message uses: the field's
+    own for `dynamic_scale`, the framework's for a preset. ``None`` for
+    ``backoff_factor``, ``first_growth_interval`` or ``init_growth_count``
+    means its default.
     """
-    value = real(name, value)
-    if below_one and not 0 < value <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-    if not below_one and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value!r}")
-    f32 = to_f32(value)
-    if not F32_TINY <= f32 <= F32_MAX:
+    out = dict(fields)
+    out["init_scale"] = positive_f32(name("init_scale"), fields["init_scale"])
+    out["growth_factor"] = factor(
+        name("growth_factor"), fields["growth_factor"], below_one=False
+    )
+    backoff, divisor = fields["backoff_factor"], fields["backoff_divisor"]
+    if divisor is not None:
+        divisor = factor(name("backoff_divisor"), divisor, below_one=False)
+        if backoff is not None and real(name("backoff_factor"), backoff) != 1 / divisor:
+            raise ValueError(
+                f"give {name('backoff_factor')} or {name('backoff_divisor')}, not "
+                f"both; got {backoff!r} and {divisor!r}"
+            )
+        backoff = 1 / divisor
+    out["backoff_divisor"] = divisor
+    out["backoff_factor"] = factor(
+        name("backoff_factor"), 0.5 if backoff is None else backoff, below_one=True
+    )
+    interval = integer(name("growth_interval"), fields["growth_interval"], 1)
+    out["growth_interval"] = interval
+    first = fields["first_growth_interval"]
+    out["first_growth_interval"] = first = integer(
+        name("first_growth_interval"), interval if first is None else first, interval
+    )
+    restart = interval - first
+    count = fields["init_growth_count"]
+    out["init_growth_count"] = integer(
+        name("init_growth_count"),
+        restart if count is None else count,
+        restart,
+        interval - 1,
+    )
+    out["backoff_interval"] = integer(
+        name("backoff_interval"), fields["backoff_interval"], 1
+    )
+    out["hysteresis"] = integer(name("hysteresis"), fields["hysteresis"], 1)
+    if out["backoff_interval"] > 1 and out["hysteresis"] > 1:
         raise ValueError(
-            f"{name} must be a normal float32 number, got {value!r} (float32: {f32!r})"
+            f"set at most one of {name('backoff_interval')} and "
+            f"{name('hysteresis')} above 1 (two different rules), got "
+            f"{out['backoff_interval']!r} and {out['hysteresis']!r}"
         )
-    if (value == 1) != (f32 == 1):
+    for key in ("saturate_growth", "consecutive_hysteresis", "skip_nonfinite"):
+        out[key] = flag(name(key), fields[key])
+    low = out["min_scale"] = positive_f32(name("min_scale"), fields["min_scale"])
+    high = out["max_scale"] = positive_f32(name("max_scale"), fields["max_scale"])
+    if low > high:
         raise ValueError(
-            f"{name} must differ from 1 in float32 if it differs from 1, got "
-            f"{value!r}, which float32 rounds to 1.0 (the scale would never change)"
+            f"{name('min_scale')} must be <= {name('max_scale')}, got {low!r} and "
+            f"{high!r}"
         )
-    return value
+    if not low <= out["init_scale"] <= high:
+        raise ValueError(
+            f"{name('init_scale')} must be in [{name('min_scale')}, "
+            f"{name('max_scale')}] = [{low!r}, {high!r}], got {out['init_scale']!r}"
+        )
+    return out
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LossScaler:
     """An immutable, hashable loss-scaler configuration.
 
-    Make one with `dynamic_scale`, `static_scale`, `no_scale` or a preset;
-    the constructor validates every field (the factories document them).
+    Make one with `dynamic_scale`, `static_scale`, `no_scale` or a preset,
+    which validate every field and document it; ``dataclasses.replace``
+    validates again.
 
     Attributes:
       init_scale: the scale of the first step.
@@ -96,18 +136,15 @@ class LossScaler:
         backs off).
       growth_interval: growth comes on this many consecutive finite steps.
       first_growth_interval: the same for the first growth after the start or
-        a non-finite step (DeepSpeed, nnabla); ``None`` means
-        ``growth_interval``.
-      init_growth_count: the growth count before the first step (flax
-        ``fin_steps``, jmp ``counter``); ``None`` means `growth_restart`.
-      saturate_growth: a growth past ``max_scale`` lands on it (flax) instead
-        of being skipped.
-      backoff_divisor: back off by dividing by this instead of multiplying by
-        ``backoff_factor`` (the peers that divide: Keras, TensorFlow, jmp,
-        DeepSpeed, nnabla); ``backoff_factor`` is then ``1 / backoff_divisor``.
-      backoff_interval: Paddle's ``decr_every_n_nan_or_inf``.
-      hysteresis: Megatron's and DeepSpeed's ``hysteresis``.
-      consecutive_hysteresis: DeepSpeed's ``consecutive_hysteresis``.
+        a non-finite step.
+      init_growth_count: the growth count before the first step.
+      saturate_growth: a growth past ``max_scale`` lands on it instead of
+        being skipped.
+      backoff_divisor: when not ``None``, back off by dividing by this
+        (``backoff_factor`` is then ``1 / backoff_divisor``).
+      backoff_interval: back off once every this many non-finite steps.
+      hysteresis: non-finite steps tolerated before backing off.
+      consecutive_hysteresis: any finite step restores the hysteresis.
       min_scale: the scale never backs off below this.
       max_scale: the scale never grows above this.
       skip_nonfinite: whether a step with non-finite gradients is dropped.
@@ -126,97 +163,25 @@ class LossScaler:
       1024.0
     """
 
-    init_scale: float = 2.0**15
-    growth_factor: float = 2.0
-    backoff_factor: float | None = None
-    growth_interval: int = 2000
-    first_growth_interval: int | None = None
-    init_growth_count: int | None = None
-    saturate_growth: bool = False
-    backoff_divisor: float | None = None
-    backoff_interval: int = 1
-    hysteresis: int = 1
-    consecutive_hysteresis: bool = False
-    min_scale: float = 1.0
-    max_scale: float = _F32_MAX
-    skip_nonfinite: bool = True
+    init_scale: float
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    first_growth_interval: int
+    init_growth_count: int
+    saturate_growth: bool
+    backoff_divisor: float | None
+    backoff_interval: int
+    hysteresis: int
+    consecutive_hysteresis: bool
+    min_scale: float
+    max_scale: float
+    skip_nonfinite: bool
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "init_scale", positive_f32("init_scale", self.init_scale))
-        set_(
-            self,
-            "growth_factor",
-            _factor("growth_factor", self.growth_factor, below_one=False),
-        )
-        backoff = self.backoff_factor
-        if self.backoff_divisor is not None:
-            divisor = _factor("backoff_divisor", self.backoff_divisor, below_one=False)
-            if backoff is not None and real("backoff_factor", backoff) != 1 / divisor:
-                raise ValueError(
-                    "give backoff_factor or backoff_divisor, not both; got "
-                    f"backoff_factor={backoff!r}, backoff_divisor={divisor!r}"
-                )
-            set_(self, "backoff_divisor", divisor)
-            backoff = 1 / divisor
-        backoff = 0.5 if backoff is None else backoff
-        backoff = _factor("backoff_factor", backoff, below_one=True)
-        set_(self, "backoff_factor", backoff)
-        set_(
-            self,
-            "growth_interval",
-            integer("growth_interval", self.growth_interval, 1),
-        )
-        first = self.first_growth_interval
-        first = self.growth_interval if first is None else first
-        first = integer("first_growth_interval", first, 1)
-        if first < self.growth_interval:
-            raise ValueError(
-                "first_growth_interval must be >= growth_interval "
-                f"({self.growth_interval}), got {first!r}"
-            )
-        set_(self, "first_growth_interval", first)
-        count = self.init_growth_count
-        count = self.growth_restart if count is None else count
-        count = integer(
-            "init_growth_count",
-            count,
-            self.growth_restart,
-            self.growth_interval - 1,
-        )
-        set_(self, "init_growth_count", count)
-        set_(self, "saturate_growth", flag("saturate_growth", self.saturate_growth))
-        set_(
-            self,
-            "backoff_interval",
-            integer("backoff_interval", self.backoff_interval, 1),
-        )
-        set_(self, "hysteresis", integer("hysteresis", self.hysteresis, 1))
-        if self.backoff_interval > 1 and self.hysteresis > 1:
-            raise ValueError(
-                "backoff_interval and hysteresis are two different peers' rules "
-                "(Paddle's and Megatron/DeepSpeed's); set at most one above 1, got "
-                f"backoff_interval={self.backoff_interval!r}, "
-                f"hysteresis={self.hysteresis!r}"
-            )
-        set_(
-            self,
-            "consecutive_hysteresis",
-            flag("consecutive_hysteresis", self.consecutive_hysteresis),
-        )
-        set_(self, "min_scale", positive_f32("min_scale", self.min_scale))
-        set_(self, "max_scale", positive_f32("max_scale", self.max_scale))
-        if self.min_scale > self.max_scale:
-            raise ValueError(
-                f"min_scale must be <= max_scale, got min_scale={self.min_scale!r} "
-                f"and max_scale={self.max_scale!r}"
-            )
-        if not self.min_scale <= self.init_scale <= self.max_scale:
-            raise ValueError(
-                f"init_scale must be in [min_scale, max_scale] = "
-                f"[{self.min_scale!r}, {self.max_scale!r}], got {self.init_scale!r}"
-            )
-        set_(self, "skip_nonfinite", flag("skip_nonfinite", self.skip_nonfinite))
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key, value in _config(fields, _own).items():
+            object.__setattr__(self, key, value)
 
     @property
     def growth_restart(self) -> int:
@@ -225,9 +190,7 @@ class LossScaler:
         0, or negative when the first growth after the start or a non-finite
         step takes ``first_growth_interval > growth_interval`` steps.
         """
-        first = self.first_growth_interval
-        first = self.growth_interval if first is None else first
-        return self.growth_interval - first
+        return self.growth_interval - self.first_growth_interval
 
     @property
     def is_dynamic(self) -> bool:
@@ -274,12 +237,7 @@ class LossScaler:
           >>> jls.dynamic_scale(init_scale=1024).init().scale
           Array(1024., dtype=float32)
         """
-        count = (
-            self.growth_restart
-            if self.init_growth_count is None
-            else self.init_growth_count
-        )
-        return make_state(self.init_scale, growth_count=count)
+        return make_state(self.init_scale, growth_count=self.init_growth_count)
 
     def adjust(
         self,
@@ -372,7 +330,7 @@ class LossScaler:
         else:
             bad = jnp.minimum(state.backoff_count, i32(backoff_after - 1)) + i32(1)
             backoff = ~finite & (bad >= i32(backoff_after))
-            if self.backoff_interval > 1:  # Paddle: the count restarts
+            if self.backoff_interval > 1:  # the count restarts
                 after_backoff = jnp.where(backoff, i32(0), bad)
             else:  # hysteresis: stays spent until the next growth
                 after_backoff = bad
@@ -433,54 +391,51 @@ def dynamic_scale(
     hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
     min_scale: float = 1.0,
-    max_scale: float = _F32_MAX,
+    max_scale: float = F32_MAX,
     skip_nonfinite: bool = True,
 ) -> LossScaler:
     """The dynamic loss-scale rule: grow while finite, back off on overflow.
 
+    The knobs past the first five express other frameworks' rules as
+    configuration of this one; `jls.presets` sets them for each framework.
+
     Args:
-      init_scale: the first step's scale (torch ``init_scale``, Paddle
-        ``init_loss_scaling``). Must lie in ``[min_scale, max_scale]``.
+      init_scale: the first step's scale. Must lie in ``[min_scale,
+        max_scale]``.
       growth_factor: multiplies the scale on growth; ``>= 1``.
       backoff_factor: multiplies the scale on back-off; in ``(0, 1]``.
         Default 0.5.
-      growth_interval: the scale grows on this many consecutive finite steps
-        (torch ``growth_interval``, Paddle ``incr_every_n_steps``); a
-        non-finite step restarts the count.
-      first_growth_interval: from DeepSpeed (``scale_window + 1``) and nnabla
-        (``N + 2``): the first growth after the start or after a non-finite
-        step comes on this many consecutive finite steps, later ones every
-        ``growth_interval``. ``>= growth_interval``; default
-        ``growth_interval``.
-      init_growth_count: the growth count before the first step, e.g. flax's
-        ``fin_steps`` or jmp's ``counter`` of a run being resumed. Default:
-        a fresh count.
-      saturate_growth: from flax's ``DynamicScale``: a growth that would
-        exceed ``max_scale`` lands on ``max_scale`` instead of being
-        skipped (torch, TensorFlow, Paddle skip it).
+      growth_interval: the scale grows on this many consecutive finite steps;
+        a non-finite step restarts the count.
+      first_growth_interval: the first growth after the start or after a
+        non-finite step comes on this many consecutive finite steps, later
+        ones every ``growth_interval`` (DeepSpeed, nnabla).
+        ``>= growth_interval``; default ``growth_interval``.
+      init_growth_count: the growth count before the first step (to resume a
+        run). Default: a fresh count.
+      saturate_growth: a growth that would exceed ``max_scale`` lands on
+        ``max_scale`` instead of being skipped (flax).
       backoff_divisor: back off by dividing the scale by this (``>= 1``)
-        instead of multiplying by ``backoff_factor``, as Keras, TensorFlow,
-        jmp, DeepSpeed and nnabla do; in float32, ``x / 3`` and
-        ``x * (1 / 3)`` differ. Give at most one of the two.
-      backoff_interval: from Paddle's ``decr_every_n_nan_or_inf``: back off
-        once every this many consecutive non-finite steps; a finite step
-        clears the count. 1 (default) backs off on every non-finite step.
-      hysteresis: from Megatron-LM's ``DynamicGradScaler`` and DeepSpeed's
-        ``hysteresis`` (``delayed_shift``): the first ``hysteresis - 1``
-        non-finite steps since the last growth are tolerated (skipped without
-        backing off); from then on every non-finite step backs off until the
-        scale next grows. At most one of ``backoff_interval`` and
-        ``hysteresis`` may exceed 1.
-      consecutive_hysteresis: from DeepSpeed's ``consecutive_hysteresis``:
-        any finite step (not only a growth) restores the hysteresis.
+        instead of multiplying by ``backoff_factor`` (Keras, TensorFlow, jmp,
+        DeepSpeed, nnabla); in float32, ``x / 3`` and ``x * (1 / 3)``
+        differ. Give at most one of the two.
+      backoff_interval: back off once every this many consecutive non-finite
+        steps; a finite step clears the count (Paddle). 1 (default) backs off
+        on every non-finite step.
+      hysteresis: the first ``hysteresis - 1`` non-finite steps since the
+        last growth are tolerated (skipped without backing off); from then on
+        every non-finite step backs off until the scale next grows (Megatron,
+        DeepSpeed). At most one of ``backoff_interval`` and ``hysteresis``
+        may exceed 1.
+      consecutive_hysteresis: any finite step (not only a growth) restores
+        the hysteresis (DeepSpeed).
       min_scale: the floor; back-off never goes below it, so the scale never
         reaches 0. May be below 1 (every scale in ``[min_scale, max_scale]``
         is handled without false negatives).
       max_scale: the ceiling; a growth that would exceed it is not taken, so
         the scale never reaches inf. Default: the float32 maximum.
       skip_nonfinite: drop a step whose gradients are not finite (default).
-        ``False`` applies it anyway, like MindSpore's
-        ``drop_overflow_update=False``; the step then counts in
+        ``False`` applies it anyway; the step then counts in
         ``consecutive_nonfinite`` but not as a skip.
 
     Returns:
@@ -500,12 +455,8 @@ def dynamic_scale(
       ...
       ValueError: backoff_factor must be in (0, 1], got 2.0
     """
-    if backoff_factor is not None and backoff_divisor is not None:
-        raise ValueError(
-            "give backoff_factor or backoff_divisor, not both; got "
-            f"backoff_factor={backoff_factor!r}, backoff_divisor={backoff_divisor!r}"
-        )
-    return LossScaler(
+    return make_dynamic(
+        _own,
         init_scale=init_scale,
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
@@ -523,15 +474,60 @@ def dynamic_scale(
     )
 
 
+_DYNAMIC_DEFAULTS: dict[str, Any] = {
+    "init_scale": 2.0**15,
+    "growth_factor": 2.0,
+    "backoff_factor": None,
+    "growth_interval": 2000,
+    "first_growth_interval": None,
+    "init_growth_count": None,
+    "saturate_growth": False,
+    "backoff_divisor": None,
+    "backoff_interval": 1,
+    "hysteresis": 1,
+    "consecutive_hysteresis": False,
+    "min_scale": 1.0,
+    "max_scale": F32_MAX,
+    "skip_nonfinite": True,
+}
+
+
+def make_dynamic(name: Namer, **fields: Any) -> LossScaler:
+    """`dynamic_scale` whose errors name each argument ``name(field)``.
+
+    For presets, which take other frameworks' argument names. Fields not
+    given take `dynamic_scale`'s defaults.
+    """
+    unknown = set(fields) - set(_DYNAMIC_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown scaler fields: {sorted(unknown)}")
+    return LossScaler(**_config({**_DYNAMIC_DEFAULTS, **fields}, name))
+
+
+def make_static(name: Namer, value: Any, skip_nonfinite: Any = True) -> LossScaler:
+    """`static_scale` whose errors name the scale ``name("value")``."""
+    value = positive_f32(name("value"), value)
+    return make_dynamic(
+        name,
+        init_scale=value,
+        growth_factor=1.0,
+        backoff_factor=1.0,
+        growth_interval=1,
+        min_scale=value,
+        max_scale=value,
+        skip_nonfinite=skip_nonfinite,
+    )
+
+
 def static_scale(value: float, *, skip_nonfinite: bool = True) -> LossScaler:
-    """A fixed loss scale (MindSpore ``FixedLossScaleManager``).
+    """A fixed loss scale.
 
     Non-finite steps are still detected, counted and (by default) dropped.
 
     Args:
       value: the scale, a positive float32-representable number.
       skip_nonfinite: drop a step whose gradients are not finite (default);
-        ``False`` is MindSpore's ``drop_overflow_update=False``.
+        ``False`` applies it anyway.
 
     Returns:
       A `LossScaler` whose scale never changes.
@@ -546,16 +542,7 @@ def static_scale(value: float, *, skip_nonfinite: bool = True) -> LossScaler:
       >>> scaler.adjust(scaler.init(), False).scale
       Array(128., dtype=float32)
     """
-    value = positive_f32("value", value)
-    return LossScaler(
-        init_scale=value,
-        growth_factor=1.0,
-        backoff_factor=1.0,
-        growth_interval=1,
-        min_scale=value,
-        max_scale=value,
-        skip_nonfinite=skip_nonfinite,
-    )
+    return make_static(_own, value, skip_nonfinite)
 
 
 def no_scale(*, skip_nonfinite: bool = True) -> LossScaler:
@@ -575,4 +562,4 @@ def no_scale(*, skip_nonfinite: bool = True) -> LossScaler:
       >>> jls.no_scale().init().scale
       Array(1., dtype=float32)
     """
-    return static_scale(1.0, skip_nonfinite=skip_nonfinite)
+    return make_static(_own, 1.0, skip_nonfinite)

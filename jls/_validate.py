@@ -93,9 +93,72 @@ def integer(name: str, value: Any, low: int, high: int = I32_MAX) -> int:
     return value
 
 
+def factor(name: str, value: Any, *, below_one: bool) -> float:
+    """A scale factor, ``>= 1`` or in ``(0, 1]``, that stays itself in float32.
+
+    ``1e39`` is inf in float32 and ``0.99999999`` rounds to 1 (a factor that
+    would never change the scale): both are refused.
+    """
+    value = real(name, value)
+    if below_one and not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    if not below_one and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value!r}")
+    f32 = to_f32(value)
+    if not F32_TINY <= f32 <= F32_MAX:
+        raise ValueError(
+            f"{name} must be a normal float32 number, got {value!r} (float32: {f32!r})"
+        )
+    if (value == 1) != (f32 == 1):
+        raise ValueError(
+            f"{name} must differ from 1 in float32 if it differs from 1, got "
+            f"{value!r}, which float32 rounds to 1.0 (the scale would never change)"
+        )
+    return value
+
+
+def scale_in(name: str, value: Any, low: float, high: float) -> float:
+    """A positive normal float32 scale whose float32 value is in ``[low, high]``."""
+    value = positive_f32(name, value)
+    if not low <= to_f32(value) <= high:
+        raise ValueError(
+            f"{name} must lie in the scaler's [min_scale, max_scale] = "
+            f"[{low!r}, {high!r}], got {value!r}"
+        )
+    return value
+
+
+def axis_names(name: str, value: Any) -> tuple[str, ...]:
+    """``None``, a str or a non-empty tuple of str, as a tuple of str."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, tuple) and value and all(isinstance(a, str) for a in value):
+        return value
+    raise TypeError(f"{name} must be None, a str or a tuple of str, got {value!r}")
+
+
 def flag(name: str, value: Any) -> bool:
     """A bool (Python or numpy); strings and numbers are refused."""
     value = _scalar(name, value)
     if not _is_bool(value):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)
+
+
+def state_dict_number(name: str, value: Any) -> float:
+    """A checkpoint's number: a finite real, or an array or list of one element.
+
+    Paddle keeps ``scale`` as a shape-[1] tensor (or a one-element list);
+    strings and bools are refused.
+    """
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, (numbers.Number, np.generic, str)) and hasattr(
+        value, "__array__"
+    ):
+        array = np.asarray(value)
+        if array.size == 1:
+            value = array.reshape(())
+    return real(name, value)

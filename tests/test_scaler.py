@@ -306,7 +306,7 @@ def test_scalers_are_immutable_and_hashable():
         (
             {"hysteresis": 2, "backoff_interval": 2},
             ValueError,
-            "set at most one above 1",
+            "set at most one of",
         ),
         ({"consecutive_hysteresis": 1}, TypeError, "consecutive_hysteresis must be"),
         ({"min_scale": 0.0}, ValueError, "min_scale must be positive"),

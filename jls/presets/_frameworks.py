@@ -1,95 +1,58 @@
-"""Presets: every peer framework's loss scaler, as configuration of jls's rule.
+"""The framework presets: each peer's loss scaler as configuration of jls's rule.
 
-Each preset takes the framework's own argument names and defaults and returns
-a `jls.LossScaler` whose scale trajectory, for any sequence of finite and
-non-finite steps, is the framework's exactly while the framework stays sane.
-Where the framework breaks (the scale reaching 0 or inf and staying there),
-jls keeps the scale finite and positive; each docstring says where. Every
-preset also takes jls's ``min_scale`` and ``max_scale`` to override those
-bounds.
-
-The semantics were worked out from the frameworks' code, not their prose,
-where the two disagree (each docstring notes it). Frameworks that keep the
-scale in float64 Python numbers (MindSpore's manager, DeepSpeed, nnabla) are
-matched exactly for power-of-two factors (their defaults); with other factors
-jls's float32 scale can differ from theirs in the last bits.
-
-State interchange: ``to_torch_state_dict``/``from_torch_state_dict``, the same
-for Paddle, and ``to_megatron_state_dict``/``from_megatron_state_dict`` carry
-a run's scale and counters to and from those frameworks' checkpoints; pair
-them with `jls.replace_loss_scale_state` to put the state into an optimizer
-state.
+See `jls.presets` for what a preset promises. Every preset validates its
+arguments under the framework's own names (the errors name them, prefixed
+with the preset), then builds the scaler with `jls._scaler.make_dynamic` or
+`make_static`, which name the fields they check through the preset's
+mapping of jls's field names to the framework's.
 """
 
 from __future__ import annotations
 
-import numbers
-import re
-from collections.abc import Mapping
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-import numpy as np
+from jls._scaler import LossScaler, make_dynamic, make_static, no_scale
+from jls._validate import F32_MAX, F32_TINY, flag, integer, real
 
-from jls._scaler import LossScaler, dynamic_scale, no_scale, static_scale
-from jls._state import LossScaleState, loss_scale_state, make_state
-from jls._validate import flag, integer, real
-
-__all__ = [
-    "deepspeed",
-    "flax",
-    "from_megatron_state_dict",
-    "from_paddle_state_dict",
-    "from_torch_state_dict",
-    "jmp",
-    "keras",
-    "megatron",
-    "mindspore",
-    "mindspore_fixed",
-    "nnabla",
-    "paddle",
-    "tensorflow",
-    "tensorflow_v1",
-    "to_megatron_state_dict",
-    "to_paddle_state_dict",
-    "to_torch_state_dict",
-    "torch",
-]
-
-F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
-F32_MAX = float(np.finfo(np.float32).max)
-_JLS_NAMES = re.compile(
-    r"\b(init_scale|growth_factor|backoff_factor|backoff_divisor|growth_interval|"
-    r"first_growth_interval|init_growth_count|backoff_interval|hysteresis|"
-    r"consecutive_hysteresis|min_scale|value)\b"
-)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _build(peer: str, names: dict[str, str], make: Any, **kwargs: Any) -> LossScaler:
-    """Calls a jls factory, renaming jls's argument names in its errors."""
-    try:
-        return make(**kwargs)
-    except (TypeError, ValueError) as err:
-        message = _JLS_NAMES.sub(lambda m: names.get(m.group(1), m.group(1)), str(err))
-        raise type(err)(f"jls.presets.{peer}: {message}") from None
+def _preset(fn: F) -> F:
+    """Prefixes the errors of ``fn`` with ``jls.presets.<name>:``."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"jls.presets.{fn.__name__}: {err}") from None
+
+    return wrapped  # type: ignore[return-value]
 
 
-def _check(peer: str, ok: bool, message: str) -> None:
+def _named(names: Mapping[str, str]) -> Callable[[str], str]:
+    """The framework's name for each jls field (its own where not renamed)."""
+    return lambda field: names.get(field, field)
+
+
+def _dynamic(names: Mapping[str, str], **fields: Any) -> LossScaler:
+    return make_dynamic(_named(names), **fields)
+
+
+def _static(
+    names: Mapping[str, str], value: Any, skip_nonfinite: Any = True
+) -> LossScaler:
+    return make_static(_named(names), value, skip_nonfinite)
+
+
+def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(f"jls.presets.{peer}: {message}")
+        raise ValueError(message)
 
 
-def _flag(peer: str, name: str, value: Any) -> bool:
-    return flag(f"jls.presets.{peer}: {name}", value)
-
-
-def _int(peer: str, name: str, value: Any, minimum: int) -> int:
-    return integer(f"jls.presets.{peer}: {name}", value, minimum)
-
-
-def _real(peer: str, name: str, value: Any) -> float:
-    return real(f"jls.presets.{peer}: {name}", value)
-
-
+@_preset
 def torch(
     init_scale: float = 2.0**16,
     growth_factor: float = 2.0,
@@ -119,17 +82,14 @@ def torch(
       >>> jls.presets.torch().init().scale
       Array(65536., dtype=float32)
     """
-    peer = "torch"
-    if not _flag(peer, "enabled", enabled):
+    if not flag("enabled", enabled):
         return no_scale(skip_nonfinite=False)
-    growth = _real(peer, "growth_factor", growth_factor)
-    backoff = _real(peer, "backoff_factor", backoff_factor)
-    _check(peer, growth > 1.0, f"growth_factor must be > 1.0, got {growth!r}")
-    _check(peer, backoff < 1.0, f"backoff_factor must be < 1.0, got {backoff!r}")
-    return _build(
-        peer,
+    growth = real("growth_factor", growth_factor)
+    backoff = real("backoff_factor", backoff_factor)
+    _check(growth > 1.0, f"growth_factor must be > 1.0, got {growth!r}")
+    _check(backoff < 1.0, f"backoff_factor must be < 1.0, got {backoff!r}")
+    return _dynamic(
         {},
-        dynamic_scale,
         init_scale=init_scale,
         growth_factor=growth,
         backoff_factor=backoff,
@@ -139,6 +99,7 @@ def torch(
     )
 
 
+@_preset
 def paddle(
     enable: bool = True,
     init_loss_scaling: float = 65536.0,
@@ -177,8 +138,7 @@ def paddle(
       >>> jls.presets.paddle(init_loss_scaling=1024).init().scale
       Array(1024., dtype=float32)
     """
-    peer = "paddle"
-    if not _flag(peer, "enable", enable):
+    if not flag("enable", enable):
         return no_scale(skip_nonfinite=False)
     names = {
         "init_scale": "init_loss_scaling",
@@ -188,16 +148,14 @@ def paddle(
         "growth_interval": "incr_every_n_steps",
         "backoff_interval": "decr_every_n_nan_or_inf",
     }
-    if not _flag(peer, "use_dynamic_loss_scaling", use_dynamic_loss_scaling):
-        return _build(peer, names, static_scale, value=init_loss_scaling)
-    incr = _real(peer, "incr_ratio", incr_ratio)
-    decr = _real(peer, "decr_ratio", decr_ratio)
-    _check(peer, incr > 1.0, f"incr_ratio must be > 1.0, got {incr!r}")
-    _check(peer, decr < 1.0, f"decr_ratio must be < 1.0, got {decr!r}")
-    return _build(
-        peer,
+    if not flag("use_dynamic_loss_scaling", use_dynamic_loss_scaling):
+        return _static(names, init_loss_scaling)
+    incr = real("incr_ratio", incr_ratio)
+    decr = real("decr_ratio", decr_ratio)
+    _check(incr > 1.0, f"incr_ratio must be > 1.0, got {incr!r}")
+    _check(decr < 1.0, f"decr_ratio must be < 1.0, got {decr!r}")
+    return _dynamic(
         names,
-        dynamic_scale,
         init_scale=init_loss_scaling,
         growth_factor=incr,
         backoff_factor=decr,
@@ -208,6 +166,7 @@ def paddle(
     )
 
 
+@_preset
 def mindspore(
     init_loss_scale: float = 2.0**24,
     scale_factor: float = 2,
@@ -240,17 +199,14 @@ def mindspore(
       >>> float(jls.presets.mindspore().init().scale) == 2.0**24
       True
     """
-    peer = "mindspore"
-    init = _real(peer, "init_loss_scale", init_loss_scale)
-    _check(peer, init >= 1.0, f"init_loss_scale must be >= 1, got {init!r}")
-    factor = _real(peer, "scale_factor", scale_factor)
-    _check(peer, factor > 0, f"scale_factor must be > 0, got {factor!r}")
-    _check(peer, factor >= 1, f"scale_factor must be >= 1 in jls, got {factor!r}")
-    window = _int(peer, "scale_window", scale_window, 1)
-    return _build(
-        peer,
+    init = real("init_loss_scale", init_loss_scale)
+    _check(init >= 1.0, f"init_loss_scale must be >= 1, got {init!r}")
+    factor = real("scale_factor", scale_factor)
+    _check(factor > 0, f"scale_factor must be > 0, got {factor!r}")
+    _check(factor >= 1, f"scale_factor must be >= 1 in jls, got {factor!r}")
+    window = integer("scale_window", scale_window, 1)
+    return _dynamic(
         {"init_scale": "init_loss_scale", "growth_interval": "scale_window"},
-        dynamic_scale,
         init_scale=init,
         growth_factor=factor,
         backoff_factor=1 / factor,
@@ -260,6 +216,7 @@ def mindspore(
     )
 
 
+@_preset
 def mindspore_fixed(
     loss_scale: float = 128.0, drop_overflow_update: bool = True
 ) -> LossScaler:
@@ -272,15 +229,13 @@ def mindspore_fixed(
       >>> jls.presets.mindspore_fixed(1024.0, False).skip_nonfinite
       False
     """
-    peer = "mindspore_fixed"
-    value = _real(peer, "loss_scale", loss_scale)
-    _check(peer, value >= 1, f"loss_scale must be >= 1, got {value!r}")
-    drop = _flag(peer, "drop_overflow_update", drop_overflow_update)
-    return _build(
-        peer, {"value": "loss_scale"}, static_scale, value=value, skip_nonfinite=drop
-    )
+    value = real("loss_scale", loss_scale)
+    _check(value >= 1, f"loss_scale must be >= 1, got {value!r}")
+    drop = flag("drop_overflow_update", drop_overflow_update)
+    return _static({"value": "loss_scale"}, value, skip_nonfinite=drop)
 
 
+@_preset
 def nnabla(
     scale: float = 8.0,
     scaling_factor: float = 2.0,
@@ -311,14 +266,11 @@ def nnabla(
       >>> s.growth_interval, s.first_growth_interval
       (3, 4)
     """
-    peer = "nnabla"
-    n = _int(peer, "N", N, 0)
-    factor = _real(peer, "scaling_factor", scaling_factor)
-    _check(peer, factor >= 1, f"scaling_factor must be >= 1, got {factor!r}")
-    return _build(
-        peer,
+    n = integer("N", N, 0)
+    factor = real("scaling_factor", scaling_factor)
+    _check(factor >= 1, f"scaling_factor must be >= 1, got {factor!r}")
+    return _dynamic(
         {"init_scale": "scale", "growth_factor": "scaling_factor"},
-        dynamic_scale,
         init_scale=scale,
         growth_factor=factor,
         backoff_divisor=factor,
@@ -329,6 +281,7 @@ def nnabla(
     )
 
 
+@_preset
 def keras(
     initial_scale: float = 32768.0,
     dynamic_growth_steps: int = 2000,
@@ -354,10 +307,8 @@ def keras(
       >>> jls.presets.keras().init().scale
       Array(32768., dtype=float32)
     """
-    return _build(
-        "keras",
+    return _dynamic(
         {"init_scale": "initial_scale", "growth_interval": "dynamic_growth_steps"},
-        dynamic_scale,
         init_scale=initial_scale,
         growth_factor=2.0,
         backoff_divisor=2.0,
@@ -367,6 +318,7 @@ def keras(
     )
 
 
+@_preset
 def tensorflow(
     initial_scale: float = 2.0**15,
     dynamic_growth_steps: int | None = None,
@@ -389,22 +341,16 @@ def tensorflow(
       >>> jls.presets.tensorflow(dynamic_growth_steps=100).growth_interval
       100
     """
-    peer = "tensorflow"
     names = {"init_scale": "initial_scale", "value": "initial_scale"}
-    if not _flag(peer, "dynamic", dynamic):
+    if not flag("dynamic", dynamic):
         _check(
-            peer,
             dynamic_growth_steps is None,
             "dynamic_growth_steps cannot be given when dynamic is False, got "
             f"{dynamic_growth_steps!r}",
         )
-        return _build(
-            peer, names, static_scale, value=initial_scale, skip_nonfinite=False
-        )
-    return _build(
-        peer,
+        return _static(names, initial_scale, skip_nonfinite=False)
+    return _dynamic(
         dict(names, growth_interval="dynamic_growth_steps"),
-        dynamic_scale,
         init_scale=initial_scale,
         growth_factor=2.0,
         backoff_divisor=2.0,
@@ -414,6 +360,7 @@ def tensorflow(
     )
 
 
+@_preset
 def tensorflow_v1(
     initial_loss_scale: float = 2.0**15,
     increment_period: int = 2000,
@@ -434,13 +381,10 @@ def tensorflow_v1(
       >>> jls.presets.tensorflow_v1(multiplier=3.0).backoff_divisor
       3.0
     """
-    peer = "tensorflow_v1"
-    factor = _real(peer, "multiplier", multiplier)
-    _check(peer, factor >= 1, f"multiplier must be >= 1, got {factor!r}")
-    return _build(
-        peer,
+    factor = real("multiplier", multiplier)
+    _check(factor >= 1, f"multiplier must be >= 1, got {factor!r}")
+    return _dynamic(
         {"init_scale": "initial_loss_scale", "growth_interval": "increment_period"},
-        dynamic_scale,
         init_scale=initial_loss_scale,
         growth_factor=factor,
         backoff_divisor=factor,
@@ -450,6 +394,7 @@ def tensorflow_v1(
     )
 
 
+@_preset
 def megatron(
     initial_scale: float = 2.0**32,
     min_scale: float = 1.0,
@@ -478,17 +423,12 @@ def megatron(
       >>> jls.presets.megatron().hysteresis
       2
     """
-    peer = "megatron"
-    growth = _real(peer, "growth_factor", growth_factor)
-    backoff = _real(peer, "backoff_factor", backoff_factor)
-    _check(peer, growth > 1.0, f"growth_factor must be > 1.0, got {growth!r}")
-    _check(
-        peer, 0.0 < backoff < 1.0, f"backoff_factor must be in (0, 1), got {backoff!r}"
-    )
-    return _build(
-        peer,
+    growth = real("growth_factor", growth_factor)
+    backoff = real("backoff_factor", backoff_factor)
+    _check(growth > 1.0, f"growth_factor must be > 1.0, got {growth!r}")
+    _check(0.0 < backoff < 1.0, f"backoff_factor must be in (0, 1), got {backoff!r}")
+    return _dynamic(
         {"init_scale": "initial_scale"},
-        dynamic_scale,
         init_scale=initial_scale,
         growth_factor=growth,
         backoff_factor=backoff,
@@ -499,6 +439,7 @@ def megatron(
     )
 
 
+@_preset
 def deepspeed(
     init_scale: float | None = None,
     scale_factor: float = 2.0,
@@ -531,7 +472,7 @@ def deepspeed(
     (the argument is validated and otherwise unused). jls keeps skipping at
     ``min_scale``; to stop the run, use
     ``jls.loss_scaling(..., max_consecutive_skips=n)`` with
-    ``jls.raise_if_diverged`` (a host error) or ``jls.checkify_divergence``. The
+    ``jls.raise_if_diverged`` (on the host, or inside ``jit`` under checkify). The
     scale is a float64 Python number in DeepSpeed (see the module notes).
 
     Example:
@@ -540,54 +481,48 @@ def deepspeed(
       >>> float(s.init().scale), s.first_growth_interval
       (65536.0, 3)
     """
-    peer = "deepspeed"
     if init_scale is not None and initial_scale_power is not None:
         raise ValueError(
-            f"jls.presets.{peer}: give init_scale or initial_scale_power, not both; "
+            "give init_scale or initial_scale_power, not both; "
             f"got {init_scale!r} and {initial_scale_power!r}"
         )
     if initial_scale_power is not None:
-        power = _int(peer, "initial_scale_power", initial_scale_power, -126)
+        power = integer("initial_scale_power", initial_scale_power, -126)
         _check(
-            peer,
             power <= 127,
             f"initial_scale_power must be <= 127 (float32), got {power!r}",
         )
         init_scale = 2.0**power
     if delayed_shift is not None and hysteresis is not None:
         _check(
-            peer,
             delayed_shift == hysteresis,
             "delayed_shift and hysteresis are the same setting; got "
             f"{delayed_shift!r} and {hysteresis!r}",
         )
     shift = next((h for h in (delayed_shift, hysteresis) if h is not None), 1)
-    _flag(peer, "raise_error_at_min_scale", raise_error_at_min_scale)
-    window = _int(peer, "scale_window", scale_window, 1)
-    factor = _real(peer, "scale_factor", scale_factor)
-    return _build(
-        peer,
+    flag("raise_error_at_min_scale", raise_error_at_min_scale)
+    window = integer("scale_window", scale_window, 1)
+    factor = real("scale_factor", scale_factor)
+    return _dynamic(
         {
             "growth_factor": "scale_factor",
             "backoff_divisor": "scale_factor",
             "growth_interval": "scale_window",
             "hysteresis": "delayed_shift",
         },
-        dynamic_scale,
         init_scale=2.0**32 if init_scale is None else init_scale,
         growth_factor=factor,
         backoff_divisor=factor,
         growth_interval=window,
         first_growth_interval=window + 1,
         hysteresis=shift,
-        consecutive_hysteresis=_flag(
-            peer, "consecutive_hysteresis", consecutive_hysteresis
-        ),
+        consecutive_hysteresis=flag("consecutive_hysteresis", consecutive_hysteresis),
         min_scale=min_scale,
         max_scale=max_scale,
     )
 
 
+@_preset
 def jmp(
     loss_scale: float,
     counter: int = 0,
@@ -620,10 +555,8 @@ def jmp(
       >>> float(jls.presets.jmp(2.0**15, counter=5).init().growth_count)
       5.0
     """
-    peer = "jmp"
-    period = _int(peer, "period", period, 1)
-    return _build(
-        peer,
+    period = integer("period", period, 1)
+    return _dynamic(
         {
             "init_scale": "loss_scale",
             "growth_factor": "factor",
@@ -632,7 +565,6 @@ def jmp(
             "init_growth_count": "counter",
             "min_scale": "min_loss_scale",
         },
-        dynamic_scale,
         init_scale=loss_scale,
         growth_factor=factor,
         backoff_divisor=factor,
@@ -643,6 +575,7 @@ def jmp(
     )
 
 
+@_preset
 def flax(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
@@ -671,18 +604,14 @@ def flax(
       >>> jls.presets.flax().growth_interval
       2001
     """
-    peer = "flax"
-    interval = _int(peer, "growth_interval", growth_interval, 0)
-    fin = _int(peer, "fin_steps", fin_steps, 0)
+    interval = integer("growth_interval", growth_interval, 0)
+    fin = integer("fin_steps", fin_steps, 0)
     _check(
-        peer,
         fin <= interval,
         f"fin_steps must be in [0, growth_interval={interval}], got {fin!r}",
     )
-    return _build(
-        peer,
+    return _dynamic(
         {"init_scale": "scale", "min_scale": "minimum_scale"},
-        dynamic_scale,
         init_scale=scale,
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
@@ -692,262 +621,3 @@ def flax(
         min_scale=F32_TINY if minimum_scale is None else minimum_scale,
         max_scale=max_scale,
     )
-
-
-# State interchange ---------------------------------------------------------
-
-
-def _scalar(name: str, value: Any) -> float:
-    """A state dict's number: a real scalar, or an array of one element.
-
-    Paddle keeps ``scale`` as a shape-[1] tensor (or a one-element list);
-    strings and bools are refused.
-    """
-    if isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, (numbers.Number, np.generic, str)) and hasattr(
-        value, "__array__"
-    ):
-        array = np.asarray(value)
-        if array.size == 1:
-            value = array.reshape(())
-    return real(name, value)
-
-
-def _state_dict(peer: str, state_dict: Any) -> Mapping[str, Any]:
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"jls.presets.from_{peer}_state_dict: state_dict must be a dict (the "
-            f"scaler's state_dict()), got {type(state_dict).__name__}: "
-            f"{state_dict!r:.200}"
-        )
-    return state_dict
-
-
-def _disabled(scaler: LossScaler) -> bool:
-    """Whether ``scaler`` is torch's ``enabled=False`` / Paddle's ``enable=False``."""
-    return scaler == no_scale(skip_nonfinite=False)
-
-
-def to_torch_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
-    """The ``torch.amp.GradScaler.state_dict()`` of a jls run.
-
-    Args:
-      scaler: the run's scaler (its config fills torch's config keys).
-      state: its `LossScaleState`, or an optimizer state containing one.
-
-    Returns:
-      ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
-      "_growth_tracker"}`` as Python numbers, ready for
-      ``GradScaler.load_state_dict``; ``{}`` for a disabled scaler
-      (``torch(enabled=False)``), as torch's own disabled ``state_dict()``.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.presets.torch(init_scale=1024.0)
-      >>> jls.presets.to_torch_state_dict(scaler, scaler.init())["scale"]
-      1024.0
-    """
-    state = loss_scale_state(state)
-    if _disabled(scaler):
-        return {}
-    return {
-        "scale": _scalar("state.scale", state.scale),
-        "growth_factor": scaler.growth_factor,
-        "backoff_factor": scaler.backoff_factor,
-        "growth_interval": scaler.growth_interval,
-        "_growth_tracker": int(state.growth_count),
-    }
-
-
-def from_torch_state_dict(
-    state_dict: Mapping[str, Any], **kwargs: Any
-) -> tuple[LossScaler, LossScaleState]:
-    """A jls scaler and state resuming a ``torch.amp.GradScaler`` checkpoint.
-
-    Args:
-      state_dict: ``GradScaler.state_dict()``; an empty dict (a disabled
-        scaler's) gives the disabled preset.
-      **kwargs: further `torch` preset arguments (``min_scale``,
-        ``max_scale``, ``enabled``). With ``enabled=False`` the state dict is
-        ignored, as torch's disabled ``load_state_dict`` ignores it.
-
-    Returns:
-      ``(scaler, state)``: the same scale, config and growth tracker.
-
-    Example:
-      >>> import jls
-      >>> sd = {"scale": 512.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-      ...       "growth_interval": 100, "_growth_tracker": 7}
-      >>> scaler, state = jls.presets.from_torch_state_dict(sd)
-      >>> float(state.scale), int(state.growth_count), scaler.growth_interval
-      (512.0, 7, 100)
-    """
-    state_dict = _state_dict("torch", state_dict)
-    if not state_dict or not _flag("torch", "enabled", kwargs.get("enabled", True)):
-        scaler = torch(**dict(kwargs, enabled=False))
-        return scaler, scaler.init()
-    scale = _scalar("state_dict['scale']", state_dict["scale"])
-    tracker = _int("torch", "_growth_tracker", state_dict["_growth_tracker"], 0)
-    scaler = torch(
-        init_scale=scale,
-        growth_factor=state_dict["growth_factor"],
-        backoff_factor=state_dict["backoff_factor"],
-        growth_interval=state_dict["growth_interval"],
-        **kwargs,
-    )
-    _check(
-        "torch",
-        tracker < scaler.growth_interval,
-        f"_growth_tracker must be < growth_interval, got {tracker!r}",
-    )
-    return scaler, make_state(scale, growth_count=tracker)
-
-
-def to_paddle_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
-    """The ``paddle.amp.GradScaler.state_dict()`` of a jls run.
-
-    ``scale`` is a float32 numpy array of shape ``[1]`` (Paddle keeps a
-    tensor there); the counters are Python ints. A disabled scaler
-    (``paddle(enable=False)``) gives ``{}``, which `from_paddle_state_dict`
-    reads back as the disabled preset.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.presets.paddle()
-      >>> jls.presets.to_paddle_state_dict(scaler, scaler.init())["incr_count"]
-      0
-    """
-    state = loss_scale_state(state)
-    if _disabled(scaler):
-        return {}
-    return {
-        "scale": np.asarray([state.scale], np.float32),
-        "incr_ratio": scaler.growth_factor,
-        "decr_ratio": scaler.backoff_factor,
-        "incr_every_n_steps": scaler.growth_interval,
-        "decr_every_n_nan_or_inf": scaler.backoff_interval,
-        "incr_count": int(state.growth_count),
-        "decr_count": int(state.backoff_count),
-        "use_dynamic_loss_scaling": scaler.is_dynamic,
-    }
-
-
-def from_paddle_state_dict(
-    state_dict: Mapping[str, Any], **kwargs: Any
-) -> tuple[LossScaler, LossScaleState]:
-    """A jls scaler and state resuming a ``paddle.amp.GradScaler`` checkpoint.
-
-    Args:
-      state_dict: ``GradScaler.state_dict()``; an empty dict (a disabled
-        scaler's) gives the disabled preset.
-      **kwargs: further `paddle` preset arguments (``min_scale``,
-        ``max_scale``, ``enable``). With ``enable=False`` the state dict is
-        ignored.
-
-    Returns:
-      ``(scaler, state)`` with Paddle's scale, ratios, ``incr_count`` and
-      ``decr_count``.
-
-    Example:
-      >>> import jls
-      >>> sd = {"scale": [2048.0], "incr_ratio": 2.0, "decr_ratio": 0.8,
-      ...       "incr_every_n_steps": 1000, "decr_every_n_nan_or_inf": 2,
-      ...       "incr_count": 999, "decr_count": 1,
-      ...       "use_dynamic_loss_scaling": True}
-      >>> scaler, state = jls.presets.from_paddle_state_dict(sd)
-      >>> float(scaler.adjust(state, True).scale)
-      4096.0
-    """
-    state_dict = _state_dict("paddle", state_dict)
-    if not state_dict or not _flag("paddle", "enable", kwargs.get("enable", True)):
-        scaler = paddle(**dict(kwargs, enable=False))
-        return scaler, scaler.init()
-    scale = _scalar("state_dict['scale']", state_dict["scale"])
-    dynamic = _flag(
-        "paddle",
-        "use_dynamic_loss_scaling",
-        state_dict.get("use_dynamic_loss_scaling", True),
-    )
-    scaler = paddle(
-        init_loss_scaling=scale,
-        incr_ratio=state_dict["incr_ratio"],
-        decr_ratio=state_dict["decr_ratio"],
-        incr_every_n_steps=state_dict["incr_every_n_steps"],
-        decr_every_n_nan_or_inf=state_dict["decr_every_n_nan_or_inf"],
-        use_dynamic_loss_scaling=dynamic,
-        **kwargs,
-    )
-    if not dynamic:
-        return scaler, scaler.init()
-    incr = _int("paddle", "incr_count", state_dict["incr_count"], 0)
-    decr = _int("paddle", "decr_count", state_dict["decr_count"], 0)
-    _check(
-        "paddle",
-        incr < scaler.growth_interval,
-        f"incr_count must be < incr_every_n_steps, got {incr!r}",
-    )
-    _check(
-        "paddle",
-        decr < max(1, scaler.backoff_interval),
-        f"decr_count must be < decr_every_n_nan_or_inf, got {decr!r}",
-    )
-    return scaler, make_state(scale, growth_count=incr, backoff_count=decr)
-
-
-def to_megatron_state_dict(scaler: LossScaler, state: Any) -> dict[str, Any]:
-    """The ``DynamicGradScaler.state_dict()`` of a jls run.
-
-    ``{"scale", "growth_tracker", "hysteresis_tracker"}``; Megatron keeps its
-    config in its training arguments, not in this dict.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.presets.megatron()
-      >>> jls.presets.to_megatron_state_dict(scaler, scaler.init())
-      {'scale': 4294967296.0, 'growth_tracker': 0, 'hysteresis_tracker': 2}
-    """
-    state = loss_scale_state(state)
-    return {
-        "scale": _scalar("state.scale", state.scale),
-        "growth_tracker": int(state.growth_count),
-        "hysteresis_tracker": scaler.hysteresis - int(state.backoff_count),
-    }
-
-
-def from_megatron_state_dict(
-    state_dict: Mapping[str, Any], **kwargs: Any
-) -> tuple[LossScaler, LossScaleState]:
-    """A jls scaler and state resuming a Megatron ``DynamicGradScaler``.
-
-    Args:
-      state_dict: ``{"scale", "growth_tracker", "hysteresis_tracker"}``.
-      **kwargs: the run's `megatron` preset arguments (``min_scale``,
-        ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``hysteresis``); ``initial_scale`` comes from the dict.
-
-    Returns:
-      ``(scaler, state)``. A ``hysteresis_tracker`` at or below 0 (Megatron
-      lets it go negative) means the hysteresis is spent.
-
-    Example:
-      >>> import jls
-      >>> sd = {"scale": 2.0**20, "growth_tracker": 3, "hysteresis_tracker": 1}
-      >>> scaler, state = jls.presets.from_megatron_state_dict(sd)
-      >>> int(state.backoff_count), float(scaler.adjust(state, False).scale)
-      (1, 524288.0)
-    """
-    state_dict = _state_dict("megatron", state_dict)
-    scale = _scalar("state_dict['scale']", state_dict["scale"])
-    scaler = megatron(initial_scale=scale, **kwargs)
-    tracker = _int("megatron", "growth_tracker", state_dict["growth_tracker"], 0)
-    _check(
-        "megatron",
-        tracker < scaler.growth_interval,
-        f"growth_tracker must be < growth_interval, got {tracker!r}",
-    )
-    hyst = _int(
-        "megatron", "hysteresis_tracker", state_dict["hysteresis_tracker"], -(2**31)
-    )
-    spent = min(max(scaler.hysteresis - int(hyst), 0), scaler.hysteresis)
-    return scaler, make_state(scale, growth_count=tracker, backoff_count=spent)
