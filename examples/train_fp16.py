@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 import jls
+from jls.demo.mlp import forward, init_params, loss_fn  # the demo's model, shared
 
 
 def make_data(seed: int, n: int = 2048, dim: int = 32, classes: int = 4):
@@ -30,32 +31,6 @@ def make_data(seed: int, n: int = 2048, dim: int = 32, classes: int = 4):
     labels = rng.integers(0, classes, size=n)
     x = centers[labels] + rng.normal(size=(n, dim))
     return jnp.asarray(x, jnp.float32), jnp.asarray(labels, jnp.int32)
-
-
-def init_params(key, sizes=(32, 256, 256, 4)):
-    """Float32 master weights of an MLP."""
-    params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
-        key, sub = jax.random.split(key)
-        w = jax.random.normal(sub, (fan_in, fan_out)) * (2.0 / fan_in) ** 0.5
-        params.append({"w": w, "b": jnp.zeros((fan_out,))})
-    return params
-
-
-def forward(params, x):
-    """The MLP with every matmul and activation in float16; float32 logits."""
-    h = x.astype(jnp.float16)
-    for i, layer in enumerate(params):
-        h = h @ layer["w"].astype(jnp.float16) + layer["b"].astype(jnp.float16)[None]
-        if i < len(params) - 1:
-            h = jax.nn.gelu(h)
-    return h.astype(jnp.float32)
-
-
-def loss_fn(params, x, y):
-    """Mean cross-entropy."""
-    logits = forward(params, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def main(argv=None) -> dict:
@@ -70,7 +45,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     x, y = make_data(args.seed)
-    params = init_params(jax.random.key(args.seed))
+    params = init_params(jax.random.key(args.seed), (32, 256, 256, 4))
     scaler = jls.dynamic_scale(2.0**24, growth_interval=args.growth_interval)
     tx = jls.loss_scaling(optax.adam(1e-3), scaler)
     opt_state = tx.init(params)
@@ -78,7 +53,7 @@ def main(argv=None) -> dict:
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, xb, yb):
         def scaled_loss(p):
-            loss = loss_fn(p, xb, yb)
+            loss = loss_fn(p, xb, yb, jnp.float16)
             return jls.scale_loss(loss, opt_state), loss
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -98,7 +73,7 @@ def main(argv=None) -> dict:
                 f"{int(m['total_skips']):>8}"
             )
     assert loss is not None and m is not None
-    accuracy = float(jnp.mean(jnp.argmax(forward(params, x), -1) == y))
+    accuracy = float(jnp.mean(jnp.argmax(forward(params, x, jnp.float16), -1) == y))
     summary = {
         "final_loss": float(loss),
         "accuracy": accuracy,

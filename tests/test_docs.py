@@ -30,8 +30,7 @@ def _public(module, names=None):
 
 PUBLIC = [
     *_public(jls, jls.__all__),
-    *_public(presets),
-    *_public(demo),
+    *_public(presets, presets.__all__),
 ]
 
 

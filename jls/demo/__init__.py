@@ -1,5 +1,7 @@
 """``python -m jls.demo``: float16 training with and without loss scaling.
 
+The demo is a program, not API: its functions may change in any release.
+
 Trains one small network on scikit-learn's bundled handwritten digits (no
 download) in four modes side by side, with float32 master weights in every
 mixed mode:
@@ -54,6 +56,7 @@ import numpy as np
 import optax
 
 import jls
+from jls.demo.mlp import forward, init_params, loss_fn
 
 MODES: dict[str, Any] = {
     "f32": jnp.float32,
@@ -149,58 +152,6 @@ def load_digits(seed: int) -> tuple[np.ndarray, ...]:
     cut = TRAIN_SIZE
     train, test = order[:cut], order[cut:]
     return x[train], y[train], x[test], y[test]
-
-
-def init_params(key: jax.Array, sizes: Sequence[int]) -> list[dict[str, jax.Array]]:
-    """Float32 master weights of an MLP: LeCun-normal weights, zero biases.
-
-    Example:
-      >>> import jax
-      >>> from jls import demo
-      >>> params = demo.init_params(jax.random.key(0), [64, 128, 10])
-      >>> [(p["w"].shape, p["w"].dtype.name) for p in params]
-      [((64, 128), 'float32'), ((128, 10), 'float32')]
-    """
-    params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:], strict=True):
-        key, sub = jax.random.split(key)
-        w = jax.random.normal(sub, (fan_in, fan_out)) * (1.0 / fan_in) ** 0.5
-        params.append({"w": w, "b": jnp.zeros((fan_out,))})
-    return params
-
-
-def forward(params: Any, x: jax.Array, dtype: Any) -> jax.Array:
-    """The MLP computed in ``dtype`` (weights cast from float32); float32 logits.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jls import demo
-      >>> params = demo.init_params(jax.random.key(0), [64, 32, 10])
-      >>> demo.forward(params, jnp.ones((5, 64)), jnp.float16).dtype.name
-      'float32'
-    """
-    h = x.astype(dtype)
-    for i, layer in enumerate(params):
-        h = h @ layer["w"].astype(dtype) + layer["b"].astype(dtype)[None]
-        if i < len(params) - 1:
-            h = jax.nn.gelu(h)
-    return h.astype(jnp.float32)
-
-
-def loss_fn(params: Any, x: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
-    """Mean softmax cross-entropy, computed in float32 from the logits.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jls import demo
-      >>> params = demo.init_params(jax.random.key(0), [64, 10])
-      >>> params[0]["w"] = jnp.zeros((64, 10))  # uniform predictions
-      >>> x, y = jnp.ones((4, 64)), jnp.arange(4)
-      >>> round(float(demo.loss_fn(params, x, y, jnp.float16)), 4)  # log(10)
-      2.3026
-    """
-    logits = forward(params, x, dtype)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def underflow_fraction(grads: Any, reference: Any) -> jax.Array:
@@ -721,7 +672,3 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             'pip install "jls[demo]"\n',
         )
     return run(config, args.out, show_progress=not args.no_progress)
-
-
-if __name__ == "__main__":
-    main()

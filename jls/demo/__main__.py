@@ -1,0 +1,5 @@
+"""``python -m jls.demo``."""
+
+from jls.demo import main
+
+main()
