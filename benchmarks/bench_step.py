@@ -126,13 +126,17 @@ def make_problem(name: str):
 
 @contextlib.contextmanager
 def _plain_sum_check():
-    """While tracing: jls's check as jls 0.1 had it, ``sum(x)`` per leaf."""
-    saved = _finite._magnitude_sum
-    _finite._magnitude_sum = lambda x: jnp.sum(x, dtype=_finite.compute_dtype(x.dtype))
+    """While tracing: jls's check as jls 0.1 had it, a plain ``sum(x)``."""
+    saved = _finite._shrunk_sum
+
+    def plain_sum(parts, size, dtype):
+        return sum(jnp.sum(p, dtype=dtype) for p in parts)
+
+    _finite._shrunk_sum = plain_sum
     try:
         yield
     finally:
-        _finite._magnitude_sum = saved
+        _finite._shrunk_sum = saved
 
 
 def make_variants(loss_fn, params):

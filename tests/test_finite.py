@@ -41,13 +41,33 @@ def test_inf_and_minus_inf_do_not_cancel():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_no_false_positive_when_the_sum_overflows(dtype):
-    big = float(jnp.finfo(dtype).max) / 2
-    tree = [jnp.full((1024,), big, dtype)]
-    # The fast path's sum overflows, so this exercises the exact fallback.
-    assert jnp.isinf(jax.jit(jnp.sum)(tree[0].astype(jnp.float32)))
+@pytest.mark.parametrize("size", [1, 2, 1024, 3 * 2**20 + 1])
+def test_no_false_positive_when_a_plain_sum_overflows(dtype, size):
+    # Every element at the largest finite value: a plain sum (or a sum of
+    # magnitudes) overflows, the shrunk sum must not, and XLA must not have
+    # factored the shrink out of the reduction.
+    big = jnp.finfo(dtype).max
+    tree = [jnp.full((size,), big, dtype), -jnp.full((3, 5), big, dtype)]
+    if size > 1:
+        assert jnp.isinf(jax.jit(jnp.sum)(tree[0].astype(jnp.float32)))
     assert bool(all_finite(tree))
-    assert not bool(all_finite([tree[0].at[7].set(np.nan)]))
+    assert not bool(all_finite([tree[0].at[size // 2].set(np.nan), tree[1]]))
+    assert not bool(all_finite([tree[0].at[0].set(-np.inf), tree[1]]))
+
+
+def test_no_false_positive_with_the_producer_fused_into_the_check():
+    # The gradient is produced in the same jit: XLA fuses the product into the
+    # check's reduction. Near-maximal finite products must pass, and a
+    # product that rounds to inf must not.
+    a = jnp.full((4096,), 2.0**63, jnp.float32)
+    b = jnp.full((4096,), 2.0**64 * 1.99, jnp.float32)
+
+    @jax.jit
+    def check(a, b):
+        return all_finite([a * b])
+
+    assert bool(check(a, b))
+    assert not bool(check(a, b.at[9].set(2.0**65)))
 
 
 def test_float16_at_its_maximum_is_finite():
