@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jls._state import LossScaleState, loss_scale_state
+from jls._state import loss_scale_state
 
 
 def compute_dtype(dtype: Any) -> Any:
@@ -43,10 +43,33 @@ def _reciprocal(scale: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     return a, b
 
 
-def unscale_leaf(leaf: Any, scale: jax.Array) -> Any:
+Factors = dict[Any, tuple[jax.Array, jax.Array]]
+
+
+def reciprocals(scale: jax.Array, tree: Any) -> Factors:
+    """The factors of ``1 / scale`` for every compute dtype of ``tree``'s leaves.
+
+    Computed once per step and shared by every leaf: per leaf they would be
+    traced, lowered and compiled once per leaf (and per fusion that reads
+    the leaf).
+    """
+    factors = {}
+    for leaf in jax.tree.leaves(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None:
+            dtype = jnp.asarray(leaf).dtype
+        if jnp.issubdtype(dtype, jnp.inexact):
+            wide = compute_dtype(dtype)
+            if wide not in factors:
+                factors[wide] = _reciprocal(scale, wide)
+    return factors
+
+
+def unscale_leaf(leaf: Any, factors: Factors) -> Any:
     """``leaf * (1 / scale)`` computed in at least float32, in ``leaf``'s dtype.
 
-    Non-floating leaves (integers, bools, float0, None) pass through.
+    ``factors`` comes from `reciprocals`. Non-floating leaves (integers,
+    bools, float0, None) pass through.
     """
     if leaf is None:
         return leaf
@@ -58,12 +81,17 @@ def unscale_leaf(leaf: Any, scale: jax.Array) -> Any:
         dtype = leaf.dtype
         if not jnp.issubdtype(dtype, jnp.inexact):
             return leaf
-    wide = compute_dtype(dtype)
-    a, b = _reciprocal(scale, wide)
-    return (leaf.astype(wide) * a * b).astype(dtype)
+    a, b = factors[compute_dtype(dtype)]
+    return (leaf.astype(a.dtype) * a * b).astype(dtype)
 
 
-def scale_loss(loss: ArrayLike, state_or_opt_state: Any) -> jax.Array:
+def unscale_tree(tree: Any, scale: jax.Array) -> Any:
+    """`unscale_leaf` over ``tree``, with the factors computed once."""
+    factors = reciprocals(scale, tree)
+    return jax.tree.map(lambda x: unscale_leaf(x, factors), tree)
+
+
+def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
     """Multiplies the loss by the current loss scale, in float32.
 
     Call it on the loss inside the function you differentiate; the gradients
@@ -74,8 +102,8 @@ def scale_loss(loss: ArrayLike, state_or_opt_state: Any) -> jax.Array:
 
     Args:
       loss: a floating array (usually a scalar).
-      state_or_opt_state: a `LossScaleState`, or any optimizer state that
-        contains exactly one (see `loss_scale_state`).
+      opt_state: any optimizer state that contains exactly one
+        `LossScaleState` (see `loss_scale_state`), or the `LossScaleState`.
 
     Returns:
       ``loss * scale`` as float32 (float64 for a float64 loss).
@@ -93,28 +121,29 @@ def scale_loss(loss: ArrayLike, state_or_opt_state: Any) -> jax.Array:
     loss = jnp.asarray(loss)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"loss must be a floating array, got dtype {loss.dtype}")
-    state = loss_scale_state(state_or_opt_state)
+    state = loss_scale_state(opt_state)
     wide = compute_dtype(loss.dtype)
     return loss.astype(wide) * state.scale.astype(wide)
 
 
-def unscale(tree: Any, state: LossScaleState | Any) -> Any:
+def unscale(tree: Any, opt_state: Any) -> Any:
     """Divides every floating leaf by the loss scale, keeping its dtype.
 
-    Like torch's GradScaler and Paddle, the leaf is multiplied by the
-    reciprocal of the scale, in at least float32, and rounded to its own
-    dtype: for the power-of-two scales of the usual rules this is exactly a
-    division, otherwise it may differ from one in the last bit. (A division
-    costs more: XLA will not duplicate it into the several consumers of a
-    gradient in a fused optimizer update, so it materialises an extra copy
-    of the gradients.) Scales above 2**126, whose float32 reciprocal is
-    subnormal, are handled without flushing to zero. Integer, bool and float0 leaves and
-    ``None`` pass through unchanged. `loss_scaling` calls this for you; use it
-    directly only in a hand-written step.
+    The leaf is multiplied by the reciprocal of the scale, in at least
+    float32, and rounded to its own dtype: for the power-of-two scales of the
+    usual rules this is exactly a division, otherwise it may differ from one
+    in the last bit. (A division costs more: XLA will not duplicate it into
+    the several consumers of a gradient in a fused optimizer update, so it
+    materialises an extra copy of the gradients.) Scales above 2**126, whose
+    float32 reciprocal is subnormal, are handled without flushing to zero.
+    Integer, bool and float0 leaves and ``None`` pass through unchanged.
+    `loss_scaling` calls this for you; use it directly only in a hand-written
+    step.
 
     Args:
       tree: a pytree of (scaled) gradients.
-      state: a `LossScaleState`, or an optimizer state that contains one.
+      opt_state: an optimizer state that contains one `LossScaleState`, or
+        the `LossScaleState`.
 
     Returns:
       A pytree of the same structure and dtypes.
@@ -125,5 +154,4 @@ def unscale(tree: Any, state: LossScaleState | Any) -> Any:
       >>> jls.unscale({"w": jnp.array([8.0, 16.0], jnp.float16)}, state)
       {'w': Array([1., 2.], dtype=float16)}
     """
-    scale = loss_scale_state(state).scale
-    return jax.tree.map(lambda x: unscale_leaf(x, scale), tree)
+    return unscale_tree(tree, loss_scale_state(opt_state).scale)

@@ -1,9 +1,14 @@
-"""The loss-scale state, and finding it inside any optax state.
+"""The states, and reading and writing them inside any optax state.
 
 `LossScaleState` is the whole dynamic part of loss scaling: one float32 scale
 and six int32 counters. Every scaler (dynamic, static, none) uses the same
 state type, so switching scalers never changes a checkpoint's structure and
-never retraces a train step.
+never retraces a train step. `WrapperState` is the state of a
+`jls.loss_scaling` transformation: a `LossScaleState`, the inner optimizer's
+state and the optional diagnostics.
+
+Everything that finds a state inside a user's optimizer state (``optax.chain``,
+``MultiSteps``, ``inject_hyperparams``, flax optimizers) goes through `find`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from jls._validate import F32_MAX, F32_TINY, flag, positive_f32, to_f32
+from jls._validate import F32_MAX, F32_TINY, flag, positive_f32, scale_in
 
 
 class LossScaleState(NamedTuple):
@@ -26,8 +31,8 @@ class LossScaleState(NamedTuple):
       growth_count: int32 scalar, consecutive finite steps counted towards the
         next growth of the scale.
       backoff_count: int32 scalar, non-finite steps counted towards the next
-        back-off (Paddle's ``decr_every_n_nan_or_inf``, Megatron's and
-        DeepSpeed's ``hysteresis``; always 0 for the plain rule).
+        back-off (``backoff_interval``, ``hysteresis``; always 0 for the plain
+        rule).
       consecutive_skips: int32 scalar, how many steps in a row (ending with
         the latest) were skipped: their update was dropped. Saturates at the
         int32 maximum.
@@ -144,8 +149,51 @@ def check_state(
     return LossScaleState(**fields)
 
 
-def _is_state(x: Any) -> bool:
-    return isinstance(x, LossScaleState)
+class WrapperState(NamedTuple):
+    """The state of a `jls.loss_scaling` transformation.
+
+    Attributes:
+      loss_scale: the `LossScaleState` (scale and counters).
+      inner_state: the wrapped optimizer's state; bitwise unchanged by a
+        skipped step.
+      nonfinite_leaves: with ``diagnostics=True``, a tree like the parameters
+        of scalar bools: which gradient leaves were not finite on the latest
+        step (all ``False`` after a finite step; with ``axis_name``, on any
+        replica). ``None`` otherwise.
+      diverged: with ``max_consecutive_skips=n``, a scalar bool that becomes
+        ``True`` on the step that makes ``n`` skipped steps in a row and stays
+        ``True`` (so a breach inside a ``lax.scan`` is not lost). ``None``
+        otherwise.
+    """
+
+    loss_scale: LossScaleState
+    inner_state: Any
+    nonfinite_leaves: Any = None
+    diverged: Any = None
+
+
+def find(opt_state: Any, kind: type) -> list[Any]:
+    """Every ``kind`` inside ``opt_state`` (or ``opt_state`` itself), in order."""
+    return [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kind))
+        if isinstance(x, kind)
+    ]
+
+
+def find_one(opt_state: Any, kind: type, what: str, hint: str) -> Any:
+    """The one ``kind`` (described as ``what``) inside ``opt_state``.
+
+    Raises:
+      ValueError: naming ``what`` and how many were found, then ``hint``.
+    """
+    found = find(opt_state, kind)
+    if len(found) != 1:
+        raise ValueError(
+            f"opt_state must contain exactly one {what}, found "
+            f"{len(found) or 'no'}. {hint}"
+        )
+    return found[0]
 
 
 def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState:
@@ -175,39 +223,25 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
       >>> jls.loss_scale_state(state).scale
       Array(32768., dtype=float32)
     """
-    if isinstance(opt_state, LossScaleState):
-        return check_state(opt_state, argname="opt_state", batched=batched)
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=_is_state)
-        if isinstance(x, LossScaleState)
-    ]
-    if len(found) != 1:
-        what = "no" if not found else f"{len(found)}"
-        raise ValueError(
-            f"opt_state must contain exactly one jls.LossScaleState, found {what}. "
-            "Pass the state of a jls.loss_scaling(...) transformation (or the "
-            "LossScaleState itself); when you nest several loss_scaling wrappers, "
-            "pass the sub-state you mean."
-        )
-    return check_state(found[0], argname="opt_state's LossScaleState", batched=batched)
+    state = find_one(
+        opt_state,
+        LossScaleState,
+        "jls.LossScaleState",
+        "Pass the state of a jls.loss_scaling(...) transformation (or the "
+        "LossScaleState itself); when you nest several loss_scaling wrappers, "
+        "pass the sub-state you mean.",
+    )
+    return check_state(state, argname="opt_state's LossScaleState", batched=batched)
 
 
-def check_scale_value(state: LossScaleState, *, argname: str) -> None:
+def _check_scale_value(state: LossScaleState, *, argname: str) -> None:
     """Refuses a concrete scale that is not a positive normal float32.
 
     Traced scales pass: inside ``jit`` the scaler treats a scale outside its
     ``[min_scale, max_scale]`` (nan included) as a non-finite step.
     """
-    scale = state.scale
-    if isinstance(scale, Tracer):
-        return
-    value = float(np.asarray(scale))
-    if not F32_TINY <= value <= F32_MAX:
-        raise ValueError(
-            f"{argname}.scale must be a positive normal float32 (between "
-            f"{F32_TINY!r} and {F32_MAX!r}), got {value!r}"
-        )
+    if not isinstance(state.scale, Tracer):
+        positive_f32(f"{argname}.scale", state.scale)
 
 
 def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
@@ -215,7 +249,8 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
 
     Pure: ``opt_state`` itself is not changed. Use it to resume a run from
     another framework's checkpoint (see ``jls.presets.from_torch_state_dict``)
-    or to restart a scaler (``scaler.init()``).
+    or to restart a scaler (``scaler.init()``); to change only the scale, use
+    `set_loss_scale`.
 
     A state whose scale lies outside its scaler's ``[min_scale, max_scale]``
     (a static scaler's other value, say) is never used as it is: the next
@@ -244,12 +279,12 @@ def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
       Array(8., dtype=float32)
     """
     new = check_state(new, argname="new")
-    check_scale_value(new, argname="new")
+    _check_scale_value(new, argname="new")
     loss_scale_state(opt_state)  # exactly one, or a clear error
     return jax.tree.map(
         lambda x: new if isinstance(x, LossScaleState) else x,
         opt_state,
-        is_leaf=_is_state,
+        is_leaf=lambda x: isinstance(x, LossScaleState),
     )
 
 
@@ -262,8 +297,6 @@ def set_loss_scale(
 ) -> Any:
     """Returns ``opt_state`` with a new loss scale.
 
-    The jls form of MindSpore's ``set_sense_scale``, torch's
-    ``GradScaler.update(new_scale)`` and Paddle's ``set_init_loss_scaling``.
     Pure. The counters are kept unless ``reset_counters``: then they restart
     as after a fresh start of ``scaler`` (the growth count at its restart
     value, so the next growth comes when that scaler's first growth would;
@@ -307,7 +340,6 @@ def set_loss_scale(
     reset_counters = flag("reset_counters", reset_counters)
     if scaler is not None and not isinstance(scaler, LossScaler):
         raise TypeError(f"scaler must be a jls.LossScaler or None, got {scaler!r:.200}")
-
     old = loss_scale_state(opt_state)
     low, high = F32_TINY, F32_MAX
     if scaler is not None:
@@ -325,13 +357,7 @@ def set_loss_scale(
         ok = (value >= np.float32(low)) & (value <= np.float32(high))
         new_scale = jnp.where(ok, value, old.scale)
     else:
-        value = positive_f32("scale", scale)
-        if not low <= to_f32(value) <= high:
-            raise ValueError(
-                f"scale must lie in the scaler's [min_scale, max_scale] = "
-                f"[{low!r}, {high!r}], got {scale!r}"
-            )
-        new_scale = jnp.asarray(np.float32(value))
+        new_scale = jnp.asarray(np.float32(scale_in("scale", scale, low, high)))
     if reset_counters:
         if scaler is None:
             raise ValueError(
@@ -345,3 +371,105 @@ def set_loss_scale(
     if isinstance(opt_state, LossScaleState):
         return new
     return replace_loss_scale_state(opt_state, new)
+
+
+def metrics(opt_state: Any) -> dict[str, jax.Array]:
+    """The loss-scale metrics of a step, for logging.
+
+    Works inside ``jit`` and on the host, on a state batched by ``vmap`` or
+    ``pmap`` too.
+
+    Args:
+      opt_state: a `LossScaleState` or any optimizer state containing one.
+
+    Returns:
+      A dict of scalar arrays:
+
+      * ``loss_scale``: the scale for the next step (float32).
+      * ``skipped``: whether the latest step's update was dropped (bool).
+      * ``nonfinite``: whether the latest step's gradients were not all
+        finite (bool). Equal to ``skipped`` unless the scaler applies such
+        steps (``skip_nonfinite=False``), or the step's scale was outside the
+        scaler's range (then the step counts as non-finite and is dropped).
+      * ``consecutive_skips``: skipped steps in a row, ending with the latest.
+      * ``total_skips``: skipped steps so far. Retries are not steps. A
+        step counter that counts every call (flax's ``TrainState.step``)
+        minus ``total_skips`` is the inner optimizer's own count.
+      * ``consecutive_nonfinite``: steps in a row with non-finite gradients.
+      * ``growth_count``: consecutive finite steps towards the next growth.
+      * ``retries``: how many times the latest step's gradients were
+        recomputed (``jls.train_step(..., max_retries=n)``).
+      * ``nonfinite_leaves``: with ``loss_scaling(..., diagnostics=True)``,
+        a tree like the parameters of scalar bools: which gradient leaves
+        were not finite on the latest step (no extra pass over the
+        gradients on finite steps).
+      * ``diverged``: with ``loss_scaling(..., max_consecutive_skips=n)``,
+        whether the run has reached the limit.
+
+    Example:
+      >>> import jls
+      >>> m = jls.metrics(jls.dynamic_scale().init())
+      >>> float(m["loss_scale"]), bool(m["skipped"]), int(m["total_skips"])
+      (32768.0, False, 0)
+    """
+    state = loss_scale_state(opt_state, batched=True)
+    out = {
+        "loss_scale": state.scale,
+        "skipped": state.consecutive_skips > 0,
+        "nonfinite": state.consecutive_nonfinite > 0,
+        "consecutive_skips": state.consecutive_skips,
+        "total_skips": state.total_skips,
+        "consecutive_nonfinite": state.consecutive_nonfinite,
+        "growth_count": state.growth_count,
+        "retries": state.retries,
+    }
+    wrappers = find(opt_state, WrapperState)
+    if len(wrappers) == 1:
+        if wrappers[0].nonfinite_leaves is not None:
+            out["nonfinite_leaves"] = wrappers[0].nonfinite_leaves
+        if wrappers[0].diverged is not None:
+            out["diverged"] = wrappers[0].diverged
+    return out
+
+
+def nonfinite_paths(opt_state: Any) -> list[str]:
+    """On the host: the paths of the gradient leaves that were not finite.
+
+    Reads the state (a sync point); use it when ``metrics()["skipped"]``.
+
+    Args:
+      opt_state: the state of a ``jls.loss_scaling(..., diagnostics=True)``
+        transformation, or any optimizer state containing it.
+
+    Returns:
+      Key paths such as ``"['dense']['kernel']"``, in tree order; empty after
+      a finite step.
+
+    Raises:
+      ValueError: if the state has no diagnostics.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), diagnostics=True)
+      >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+      >>> grads = {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}
+      >>> _, state = tx.update(grads, tx.init(params), params)
+      >>> jls.nonfinite_paths(state)
+      ["['b']"]
+    """
+    flags = find_one(
+        opt_state,
+        WrapperState,
+        "jls.loss_scaling state",
+        "Pass the state of a jls.loss_scaling(..., diagnostics=True) transformation.",
+    ).nonfinite_leaves
+    if flags is None:
+        raise ValueError(
+            "this state records no per-leaf diagnostics: make the transformation "
+            "with jls.loss_scaling(..., diagnostics=True)"
+        )
+    return [
+        jax.tree_util.keystr(path)
+        for path, flag in jax.tree_util.tree_flatten_with_path(flags)[0]
+        if bool(np.any(np.asarray(flag)))
+    ]

@@ -1,25 +1,23 @@
 """`train_step`: a loss function and a `loss_scaling` transformation, one call.
 
-The JAX form of MindSpore's ``TrainOneStepWithLossScaleCell``, Paddle's
-``minimize`` and flax's ``DynamicScale.value_and_grad``: a pure function
-``(params, opt_state, *batch) -> (params, opt_state, StepOutput)`` to wrap in
-``jit`` (with donation). It scales the loss, differentiates, checks once,
-and applies the fused update (`jls.apply_gradients`'s path). Two options
-come from the seeds:
+A pure function ``(params, opt_state, *batch) -> (params, opt_state,
+StepOutput)`` to wrap in ``jit`` (with donation). It scales the loss,
+differentiates, checks once, and applies the fused update
+(`jls.LossScaling.apply_gradients`). Two options:
 
-* ``max_retries`` (nnabla's ``DynamicLossScalingUpdater``): on overflow, back
+* ``max_retries``: on overflow, back
   off and recompute the gradients inside the same jitted call
   (``lax.while_loop``, bounded), so no step is lost to a too-high scale;
   after ``max_retries`` the step is skipped as usual. A retry is an attempt,
   not a step: the scale rule advances as for a non-finite step, but the skip
   counters count the step once. A retry that could not change the outcome
   (the rule would not lower the scale: a static scaler, hysteresis still
-  tolerating, Paddle's ``decr_every_n_nan_or_inf`` not yet reached, the
+  tolerating, ``backoff_interval`` not yet reached, the
   scale at ``min_scale``) is not made.
-* ``accumulation_steps`` (nnabla's ``accum_grad``, Paddle): the batch is cut
+* ``accumulation_steps``: the batch is cut
   into micro-batches whose scaled gradients are accumulated in float32 under
   one scale (``lax.scan``); the check and the skip happen once per effective
-  batch (as torch's GradScaler does with accumulation), and since the
+  batch, and since the
   accumulator lives inside the call a non-finite micro-batch can never
   poison a later one. Each micro-batch gradient is multiplied by ``2**-e``,
   the power of two at or below ``1 / k``, before it is added (exact, unless
@@ -41,9 +39,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jls._loss_scaling import LossScaling
 from jls._scaling import compute_dtype
 from jls._state import LossScaleState
-from jls._transform import LossScalingState, update_of
 from jls._validate import flag, integer
 
 
@@ -105,17 +103,17 @@ def train_step(
     has_aux: bool = False,
     max_retries: int = 0,
     accumulation_steps: int = 1,
-) -> Callable[..., tuple[optax.Params, LossScalingState, StepOutput]]:
+) -> Callable[..., tuple[optax.Params, optax.OptState, StepOutput]]:
     """Makes a pure, jittable, loss-scaled train step.
 
     Args:
       loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss, or
         ``(loss, aux)`` with ``has_aux``. Computed in any precision; jls
         scales it in float32.
-      tx: a transformation made by `jls.loss_scaling`.
+      tx: a transformation made by `jls.loss_scaling` (or a `jls.LossScaling`).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       max_retries: recompute the gradients up to this many times with the
-        backed-off scale when they overflow (nnabla); 0 (default) skips the
+        backed-off scale when they overflow; 0 (default) skips the
         step at once. Retries are reported in ``StepOutput.retries`` and
         ``jls.metrics(opt_state)["retries"]``, and are not counted as steps.
       accumulation_steps: cut each batch into this many micro-batches along
@@ -140,13 +138,13 @@ def train_step(
       >>> float(out.loss), bool(out.skipped), float(out.loss_scale)
       (1.0, False, 1024.0)
     """
-    update = update_of(tx)
+    scaling = LossScaling.of(tx)
     has_aux = flag("has_aux", has_aux)
     max_retries = integer("max_retries", max_retries, 0)
     accumulation_steps = integer("accumulation_steps", accumulation_steps, 1)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-    scaler = update.scaler
+    scaler = scaling.scaler
     k = accumulation_steps
 
     def split_out(out):
@@ -203,11 +201,11 @@ def train_step(
         return grads, jnp.mean(losses), auxes
 
     def step(params, opt_state, *batch):
-        state = update._state(opt_state)
+        state = scaling.check_state(opt_state)
 
         def attempt(loss_scale: LossScaleState):
             grads, loss, aux = scaled_grads(params, loss_scale.scale, batch)
-            return grads, loss, aux, update.decide(grads, loss_scale)
+            return grads, loss, aux, scaling.decide(grads, loss_scale)
 
         def backed_off(loss_scale: LossScaleState) -> LossScaleState:
             # The rule's next state for a failed attempt, less the skip
@@ -244,7 +242,7 @@ def train_step(
             )
             loss_scale, grads, loss, aux, decision, retries = carry
         state = state._replace(loss_scale=loss_scale)
-        params, new_state = update.apply_fused(grads, state, params, decision)
+        params, new_state = scaling.apply_gradients(grads, state, params, decision)
         new_loss_scale = new_state.loss_scale._replace(retries=retries)
         new_state = new_state._replace(loss_scale=new_loss_scale)
         finite, apply = decision

@@ -50,6 +50,7 @@ from jax import lax
 
 import jls
 from jls import presets
+from jls._state import WrapperState
 from tests.reference import RefScaler
 
 PATHS = ("update", "apply_gradients")
@@ -674,7 +675,7 @@ def simulate(
     tx, run = _make_chunk(scaler, inner, tuple(paths), chunk, leaves, compiler_options)
     params = init_params(seed, leaves)
     mixed = zlib.crc32(f"{config}:{seed}".encode())
-    state = cast(jls.LossScalingState, tx.init(params))
+    state = cast(WrapperState, tx.init(params))
     runs = {path: (params, state) for path in paths}
     restore = (params, state.inner_state)
     carry = (jnp.uint32(mixed), jnp.uint32(0), jnp.int32(_FIRST_REGIME), runs, restore)

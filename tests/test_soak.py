@@ -15,7 +15,7 @@ import functools
 import numpy as np
 import pytest
 
-import jls._transform
+import jls._loss_scaling
 from tests import soak
 from tests.reference import RefScaler
 
@@ -147,13 +147,13 @@ def test_soak_catches_a_check_of_the_scaled_gradients(monkeypatch):
     Finite scaled gradients that overflow once unscaled are then applied: the
     soak must report it.
     """
-    original = jls._transform.unscaled_finite
+    original = jls._loss_scaling.unscaled_finite
 
     def scaled_only(grads, scale, *, scale_may_be_below_one):
         del scale_may_be_below_one
         return original(grads, scale, scale_may_be_below_one=False)
 
-    monkeypatch.setattr(jls._transform, "unscaled_finite", scaled_only)
+    monkeypatch.setattr(jls._loss_scaling, "unscaled_finite", scaled_only)
     summaries = soak.run_config(
         CHECKED,
         STEPS,

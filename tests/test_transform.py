@@ -539,7 +539,31 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="axis_name must be None, a str"):
         jls.loss_scaling(optax.sgd(1.0), axis_name=0)  # type: ignore[arg-type]
     tx = jls.loss_scaling(optax.sgd(1.0))
-    with pytest.raises(TypeError, match="state must be the jls.LossScalingState"):
+    with pytest.raises(TypeError, match="opt_state must be the state made by"):
         tx.update({"w": jnp.ones(2)}, optax.sgd(1.0).init({"w": jnp.ones(2)}))
     with pytest.raises(TypeError, match="made by jls.loss_scaling"):
         jls.apply_gradients(optax.sgd(1.0), {}, (), {})
+
+
+def test_weakly_typed_state_keeps_its_types_over_a_skipped_step():
+    # jnp.full(..., 0.1) is weakly typed, and so are Adam's moments made
+    # from it. A skipped step must return the same types (optax.tree.cast_like
+    # would make them strong and the next step would retrace).
+    params = {"b": jnp.full((3,), 0.1)}
+    tx = jls.loss_scaling(optax.adam(1e-2))
+    state = tx.init(params)
+    traces = []
+
+    @jax.jit
+    def fused(params, state, grads):
+        traces.append(1)
+        return jls.apply_gradients(tx, grads, state, params)
+
+    for value in (jnp.nan, 1.0, jnp.inf, 2.0):  # the gradients are weak too
+        params, state = fused(params, state, {"b": jnp.full((3,), value)})
+    assert len(traces) == 1
+    # tx.update: the skipped step's state has the types of the initial state
+    # (optax.apply_updates itself makes weak parameters strong, as without jls).
+    state = tx.init({"b": jnp.full((3,), 0.1)})
+    _, after = jax.jit(tx.update)({"b": jnp.full((3,), jnp.nan)}, state)
+    assert jax.tree.map(jax.typeof, after) == jax.tree.map(jax.typeof, state)

@@ -1,0 +1,601 @@
+"""`LossScaling`: the object that owns a loss-scaled step, and its optax pair.
+
+`loss_scaling` returns ``LossScaling(...).gradient_transformation()``;
+`apply_gradients` and `jls.train_step` use the same object's public methods.
+
+One step, inside ``jit``:
+
+1. Check that the unscaled gradients would all be finite, reading the
+   still-scaled gradients once (``jls._finite.unscaled_finite``: one sum of
+   magnitudes per leaf at the memory-bandwidth floor, exact, and immune to
+   the compiler fusing the gradient's producer into it). For a scale >= 1
+   this is the same question; a scaler that can go below 1 tests the
+   unscaled values while it is there. A scale outside the scaler's range
+   counts as non-finite. The flags are reduced across replicas (``pmin``
+   over ``axis_name`` and any ``shard_map`` axis the gradients vary over),
+   so every replica takes the same decision.
+2. ``lax.cond`` on the decision, the applying branch first. It unscales the
+   gradients (a multiplication by the reciprocal scale, which XLA fuses
+   into the optimizer's elementwise update), runs the inner optimizer and,
+   in `apply_gradients`, adds the updates to the parameters. The other
+   branch passes the inner state (and parameters) through and returns
+   ``-0.0`` updates. Nothing is selected with masks, so a nan can never
+   reach a state through ``0 * nan``, and a skipped step computes nothing.
+3. Adjust the loss scale (scalar work).
+
+How this was chosen (``benchmarks/bench_step.py`` and scripts like it, on
+XLA:CPU, a 27M-parameter transformer with a donated Adam state, 60
+interleaved rounds): unscaling before the decision (and checking the
+unscaled values) materialises a second gradient tree and cost 1.12x plain
+Adam; unscaling inside the branch with a division did too (XLA will not
+duplicate a division into Adam's two uses of the gradient), 1.19x; with a
+multiplication inside the branch, 1.05x. Putting the skip branch first makes
+XLA copy every parameter and moment. ``tests/test_perf_guards.py`` asserts
+the result: the fused step's compiled temporary memory is the plain
+optimizer's plus one gradient tree (which any skip decision must hold), and
+its HLO has no more array copies than the plain step's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.extend import core as jax_core
+
+from jls._finite import nonfinite_leaf_flags, unscaled_finite
+from jls._scaler import LossScaler, dynamic_scale
+from jls._scaling import Factors, reciprocals, unscale_leaf
+from jls._state import LossScaleState, WrapperState, check_state
+from jls._validate import axis_names, flag, integer
+
+Decision = tuple[jax.Array, jax.Array]
+
+
+class _Transformation(Protocol):
+    """Anything with optax's ``init``/``update`` (also ``optax.MultiSteps``)."""
+
+    @property
+    def init(self) -> Callable[..., Any]: ...
+
+    @property
+    def update(self) -> Callable[..., Any]: ...
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The ``shard_map`` axes ``x``'s value varies over (empty outside one).
+
+    ``jax.typeof(x).vma`` up to jax 0.9, ``.manual_axis_type.varying`` after.
+    """
+    aval = jax.typeof(x)
+    varying = getattr(aval, "vma", None)
+    if varying is None:
+        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(varying or ())
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+    """Casts ``tree``'s leaves to the dtypes of ``like``'s (shape structs).
+
+    Not ``optax.tree.cast_like``: that casts every leaf, and ``astype`` makes
+    a weakly typed leaf strong, so a skipped step would change the state's
+    types and retrace the step once.
+    """
+    return jax.tree.map(
+        lambda x, s: x if x is None or x.dtype == s.dtype else x.astype(s.dtype),
+        tree,
+        like,
+    )
+
+
+def _check_gradient_dtypes(grads: Any) -> None:
+    """Refuses, at trace time, gradient dtypes that cannot hold a zero update.
+
+    ``float8_e8m0fnu`` (an exponent-only scale format) has no zero: any
+    optimizer's update, and jls's skipped-step zeros, would be nan.
+    """
+    for leaf in jax.tree.leaves(grads):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and np.dtype(dtype).name == "float8_e8m0fnu":
+            raise TypeError(
+                "a gradient leaf has dtype float8_e8m0fnu, which has no zero: it "
+                "cannot hold gradients or updates (every zero becomes nan). Keep "
+                "such scale factors out of the optimized tree (e.g. optax.masked)."
+            )
+
+
+def _zero(dtype: Any) -> Any:
+    """The zero update of ``dtype``: ``-0.0`` for floats, 0 for others.
+
+    ``p + (-0.0)`` is ``p`` bitwise for every float ``p``, ``-0.0`` included
+    (``-0.0 + 0.0`` is ``+0.0``).
+    """
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return complex(-0.0, -0.0)  # both parts: -0.0 + 0.0 is +0.0
+    return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
+
+
+def _zeros_like(shapes: Any, like: Any) -> Any:
+    """Zero updates of ``shapes``, built from ``like``'s leaves where they match.
+
+    So they carry the same varying axes under ``shard_map`` as the taken
+    branch's updates. (``optax.tree.zeros_like`` makes ``+0.0``.)
+    """
+    if jax.tree.structure(shapes) == jax.tree.structure(like):
+        return jax.tree.map(
+            lambda s, x: (
+                jnp.full_like(x, _zero(s.dtype), dtype=s.dtype)
+                if getattr(x, "shape", None) == s.shape
+                else jnp.full(s.shape, _zero(s.dtype), s.dtype)
+            ),
+            shapes,
+            like,
+        )
+    return jax.tree.map(lambda s: jnp.full(s.shape, _zero(s.dtype), s.dtype), shapes)
+
+
+class LossScaling:
+    """Loss scaling around an optax optimizer: the object that owns the step.
+
+    Made by `jls.loss_scaling`, which returns its `gradient_transformation`
+    (the optax pair); `jls.apply_gradients` and `jls.train_step` call its
+    `apply_gradients` and `decide`. Use it directly when you want those
+    methods without going through a transformation, or `LossScaling.of` to
+    get it back from one.
+
+    The state is a ``NamedTuple`` with fields ``loss_scale`` (a
+    `jls.LossScaleState`), ``inner_state`` (the wrapped optimizer's, bitwise
+    unchanged by a skipped step), ``nonfinite_leaves`` (with
+    ``diagnostics=True``) and ``diverged`` (with ``max_consecutive_skips``);
+    read it with `jls.metrics`.
+
+    Args: as for `jls.loss_scaling`.
+
+    Attributes:
+      inner: the wrapped optimizer (with extra-args support).
+      scaler: the `jls.LossScaler`.
+      axis_name: the axis names replicas agree over, as a tuple.
+      diagnostics: whether per-leaf flags are recorded.
+      max_consecutive_skips: the divergence limit, or ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> scaling = jls.LossScaling(optax.sgd(0.5), jls.static_scale(2.0))
+      >>> tx = scaling.gradient_transformation()
+      >>> jls.LossScaling.of(tx) is scaling
+      True
+      >>> params = jnp.ones(2)
+      >>> params, state = scaling.apply_gradients(
+      ...     jnp.full(2, 2.0), tx.init(params), params
+      ... )
+      >>> params
+      Array([0.5, 0.5], dtype=float32)
+    """
+
+    def __init__(
+        self,
+        inner: _Transformation,
+        scaler: LossScaler | None = None,
+        *,
+        axis_name: str | tuple[str, ...] | None = None,
+        diagnostics: bool = False,
+        max_consecutive_skips: int | None = None,
+    ) -> None:
+        if not (
+            callable(getattr(inner, "init", None))
+            and callable(getattr(inner, "update", None))
+        ):
+            raise TypeError(
+                "inner must be an optax.GradientTransformation, got "
+                f"{type(inner).__name__}: {inner!r:.200}"
+            )
+        if scaler is None:
+            scaler = dynamic_scale()
+        if not isinstance(scaler, LossScaler):
+            raise TypeError(
+                "scaler must be a jls scaler (jls.dynamic_scale(), "
+                "jls.static_scale(v), jls.no_scale() or a jls.presets one), got "
+                f"{scaler!r:.200}"
+            )
+        self.inner = optax.with_extra_args_support(
+            cast(optax.GradientTransformation, inner)
+        )
+        self.scaler = scaler
+        self.axis_name = axis_names("axis_name", axis_name)
+        self.diagnostics = flag("diagnostics", diagnostics)
+        self.max_consecutive_skips = (
+            None
+            if max_consecutive_skips is None
+            else integer("max_consecutive_skips", max_consecutive_skips, 1)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"LossScaling(inner={self.inner!r:.80}, scaler={self.scaler!r}, "
+            f"axis_name={self.axis_name!r}, diagnostics={self.diagnostics!r}, "
+            f"max_consecutive_skips={self.max_consecutive_skips!r})"
+        )
+
+    @staticmethod
+    def of(tx: Any) -> LossScaling:
+        """The `LossScaling` behind ``tx`` (a `jls.loss_scaling` transformation).
+
+        Raises:
+          TypeError: if ``tx`` was not made by `jls.loss_scaling` (or is a
+            `LossScaling` itself); e.g. it is wrapped in ``optax.chain``.
+        """
+        if isinstance(tx, LossScaling):
+            return tx
+        owner = getattr(getattr(tx, "update", None), "__self__", None)
+        if not isinstance(owner, LossScaling):
+            raise TypeError(
+                "tx must be a transformation made by jls.loss_scaling(...) itself "
+                "(not wrapped in optax.chain or another wrapper); for other "
+                "transformations use tx.update and optax.apply_updates. Got "
+                f"{tx!r:.200}"
+            )
+        return owner
+
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        """The optax pair: ``init`` and ``update`` of this object."""
+        update = cast(optax.TransformUpdateExtraArgsFn, self.update)
+        return optax.GradientTransformationExtraArgs(self.init, update)
+
+    def init(self, params: optax.Params) -> WrapperState:
+        """The state before the first step (see the class notes)."""
+        flags = diverged = None
+        if self.diagnostics:
+            flags = jax.tree.map(lambda _: jnp.asarray(np.bool_(False)), params)
+        if self.max_consecutive_skips is not None:
+            diverged = jnp.asarray(np.bool_(False))
+        return WrapperState(
+            self.scaler.init(), self.inner.init(params), flags, diverged
+        )
+
+    def check_state(self, opt_state: Any) -> WrapperState:
+        """``opt_state`` if it is a state made by `init`; else a ``TypeError``.
+
+        Checked at trace time; boxed leaves (flax ``nnx``) are unwrapped.
+        """
+        if not isinstance(opt_state, WrapperState):
+            raise TypeError(
+                "opt_state must be the state made by this transformation's init, "
+                f"got {type(opt_state).__name__}"
+            )
+        if self.diagnostics and opt_state.nonfinite_leaves is None:
+            raise TypeError(
+                "opt_state has no nonfinite_leaves: it was not made by this "
+                "transformation's init (diagnostics=True)"
+            )
+        if self.max_consecutive_skips is not None and opt_state.diverged is None:
+            raise TypeError(
+                "opt_state has no diverged flag: it was not made by this "
+                "transformation's init (max_consecutive_skips="
+                f"{self.max_consecutive_skips})"
+            )
+        loss_scale = check_state(opt_state.loss_scale, argname="opt_state.loss_scale")
+        return opt_state._replace(loss_scale=loss_scale)
+
+    def decide(self, grads: Any, loss_scale: LossScaleState) -> Decision:
+        """The step's decision: ``(finite, apply)``, two scalar bools.
+
+        ``finite``: the unscaled gradients are all finite and the scale lies
+        in the scaler's range (a scale set by hand outside it, or nan, counts
+        as a non-finite step). ``apply``: the update is applied; ``finite``,
+        or with ``skip_nonfinite=False`` any step whose scale is in range.
+        Both are reduced across replicas (``axis_name``, and any
+        ``shard_map`` axis the gradients vary over), so every replica takes
+        the same decision.
+
+        Args:
+          grads: the scaled gradients.
+          loss_scale: the `jls.LossScaleState` they were scaled with.
+        """
+        _check_gradient_dtypes(grads)
+        scale = loss_scale.scale
+        finite = unscaled_finite(
+            grads,
+            scale,
+            scale_may_be_below_one=self.scaler.min_scale_f32 < 1,
+        )
+        finite, valid = self._agree([finite, self.scaler.in_range(scale)], lax.pmin)
+        finite = finite & valid
+        return finite, (finite if self.scaler.skip_nonfinite else valid)
+
+    def update(
+        self,
+        updates: optax.Updates,
+        state: WrapperState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, WrapperState]:
+        """Optax's ``update``: takes the SCALED gradients (see `jls.loss_scaling`)."""
+        state = self.check_state(state)
+        decision = self.decide(updates, state.loss_scale)
+        factors = self._reciprocals(updates, state.loss_scale)
+
+        def step(operands):
+            grads, inner_state, params = operands
+            grads = self._unscale(grads, factors)
+            return self.inner.update(grads, inner_state, params, **extra_args)
+
+        def skip(operands, out):
+            grads, inner_state, _ = operands
+            return _zeros_like(out[0], grads), _cast_like(inner_state, out[1])
+
+        operands = (updates, state.inner_state, params)
+        (new_updates, inner_state), loss_scale = self._guarded(
+            decision, state.loss_scale, step, skip, operands
+        )
+        return new_updates, self._finish(
+            state, updates, decision, inner_state, loss_scale
+        )
+
+    def apply_gradients(
+        self,
+        grads: optax.Updates,
+        opt_state: optax.OptState,
+        params: optax.Params,
+        decision: Decision | None = None,
+    ) -> tuple[optax.Params, WrapperState]:
+        """The fused step (`jls.apply_gradients`): ``(new_params, new_opt_state)``.
+
+        Args:
+          grads: the scaled gradients.
+          opt_state: this object's state.
+          params: the parameters.
+          decision: the step's `decide` result, when the caller took it
+            (`jls.train_step` does, to retry); by default it is taken here.
+        """
+        state = self.check_state(opt_state)
+        if decision is None:
+            decision = self.decide(grads, state.loss_scale)
+        factors = self._reciprocals(grads, state.loss_scale)
+
+        def step(operands):
+            grads, inner_state, params = operands
+            grads = self._unscale(grads, factors)
+            updates, inner_state = self.inner.update(grads, inner_state, params)
+            return optax.apply_updates(params, updates), inner_state
+
+        def skip(operands, out):
+            _, inner_state, params = operands
+            return _cast_like((params, inner_state), out)
+
+        operands = (grads, state.inner_state, params)
+        (params, inner_state), loss_scale = self._guarded(
+            decision, state.loss_scale, step, skip, operands
+        )
+        return params, self._finish(state, grads, decision, inner_state, loss_scale)
+
+    def _reciprocals(self, grads: Any, loss_scale: LossScaleState) -> Factors:
+        """The unscaling factors, computed once, before the conditional.
+
+        So the branch receives them as operands instead of recomputing them
+        in every fusion that reads a gradient.
+        """
+        return {} if self.scaler.is_identity else reciprocals(loss_scale.scale, grads)
+
+    @staticmethod
+    def _unscale(grads: Any, factors: Factors) -> Any:
+        if not factors:  # scale 1 forever
+            return grads
+        return jax.tree.map(lambda g: unscale_leaf(g, factors), grads)
+
+    def _guarded(
+        self,
+        decision: Decision,
+        loss_scale: LossScaleState,
+        step: Any,
+        skip: Any,
+        operands: Any,
+    ) -> tuple[Any, LossScaleState]:
+        """``step(operands)`` if applied, else ``skip(operands, step's shapes)``.
+
+        One ``lax.cond``, the applying branch first (XLA then copies nothing);
+        ``skip`` gets ``step``'s output shapes and dtypes so both branches
+        agree. ``step`` is traced once: the branch replays its jaxpr instead
+        of tracing the inner optimizer a second time. Each branch also
+        returns the adjusted loss-scale state: there the decision is a
+        constant (with ``skip_nonfinite``), so the scale rule folds to a few
+        scalar ops instead of reading the step's flags, which XLA would
+        recompute in each fusion that reads them.
+        """
+        finite, apply = decision
+
+        def adjusted(taken: bool) -> LossScaleState:
+            known = self.scaler.skip_nonfinite  # then finite == applied
+            return self.scaler.adjust(
+                loss_scale,
+                jnp.asarray(taken) if known else finite,
+                applied=jnp.asarray(taken),
+            )
+
+        traced, out = jax.make_jaxpr(step, return_shape=True)(operands)
+        replay = jax_core.jaxpr_as_fun(traced)
+        out_tree = jax.tree.structure(out)
+
+        def taken(ops):
+            new = jax.tree.unflatten(out_tree, replay(*jax.tree.leaves(ops)))
+            return new, adjusted(True)
+
+        def skipped(ops):
+            return skip(ops, out), adjusted(False)
+
+        return lax.cond(apply, taken, skipped, operands)
+
+    def _finish(
+        self,
+        state: WrapperState,
+        grads: Any,
+        decision: Decision,
+        inner_state: optax.OptState,
+        loss_scale: LossScaleState,
+    ) -> WrapperState:
+        """The state after a step: diagnostics, divergence."""
+        finite, _ = decision
+        flags = state.nonfinite_leaves
+        if self.diagnostics:
+            new = nonfinite_leaf_flags(grads, finite, state.loss_scale.scale)
+            if jax.tree.structure(new) != jax.tree.structure(flags):
+                raise TypeError(
+                    "with diagnostics=True the gradients must have the structure "
+                    f"of the parameters: {jax.tree.structure(flags)}, got "
+                    f"{jax.tree.structure(new)}"
+                )
+            leaves, treedef = jax.tree.flatten(new)  # non-finite on any replica
+            if leaves:
+                new = jax.tree.unflatten(treedef, self._agree(leaves, lax.pmax))
+            flags = new
+        diverged = state.diverged
+        if self.max_consecutive_skips is not None:
+            limit = jnp.int32(self.max_consecutive_skips)
+            diverged = diverged | (loss_scale.consecutive_skips >= limit)
+        return WrapperState(loss_scale, inner_state, flags, diverged)
+
+    def _agree(self, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
+        """Scalar bool ``flags`` reduced across replicas, in one collective.
+
+        ``reduce`` is ``lax.pmin`` (true on every replica) or ``lax.pmax``
+        (true on any), over ``axis_name`` and every ``shard_map`` axis the
+        flags vary over: under ``shard_map`` a flag computed from gradients
+        sharded over an axis the user did not name (model-parallel
+        parameters, say) varies over it too.
+        """
+        stacked = jnp.stack([f.astype(jnp.int32) for f in flags])
+        named = self.axis_name
+        axes = named + tuple(sorted(_varying_axes(stacked) - set(named)))
+        if not axes:
+            return flags
+        agreed = reduce(stacked, axes) > 0
+        return [agreed[i] for i in range(len(flags))]
+
+
+def loss_scaling(
+    inner: _Transformation,
+    scaler: LossScaler | None = None,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+    diagnostics: bool = False,
+    max_consecutive_skips: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax optimizer with loss scaling.
+
+    ``update`` takes the SCALED gradients (of ``jls.scale_loss(loss, state)``).
+    It checks them, and when every unscaled gradient is finite it unscales
+    them and runs ``inner``; otherwise it returns zero updates and leaves
+    ``inner``'s state bitwise unchanged (its step count and schedules do not
+    advance). Either way it adjusts the loss scale. Extra arguments are
+    forwarded to ``inner``. One trace serves every step.
+
+    For the smallest overhead, apply the step with `apply_gradients` instead
+    of ``update`` + ``optax.apply_updates``.
+
+    Composition: put ``loss_scaling`` outermost. Inside it, any optax
+    transformation (``chain`` with ``clip_by_global_norm``, ``masked``,
+    ``inject_hyperparams``, ``MultiSteps``) sees unscaled gradients. With
+    gradient accumulation, ``loss_scaling(optax.MultiSteps(inner, k))`` is
+    the recommended order: each micro-batch is checked before it reaches the
+    accumulator, so a non-finite micro-batch is dropped alone (the window
+    waits for one more) and can never poison the accumulator, and the scale
+    backs off at once. In the other order, ``MultiSteps`` accumulates scaled
+    gradients and resets its accumulator as ``0 * acc``, so one nan
+    micro-batch would poison every later window; that order needs
+    ``MultiSteps(..., should_skip_update_fn=optax.skip_not_finite)``, and
+    then jls never sees (or backs off for) the dropped micro-batches.
+
+    Args:
+      inner: the optimizer to wrap (any ``optax.GradientTransformation``).
+      scaler: a `LossScaler`; default ``jls.dynamic_scale()``.
+      axis_name: the ``pmap``/``shard_map`` axis name (or names) over which
+        replicas agree on the skip decision. Not needed under ``jit`` with
+        sharded arrays, where the check is already global.
+      diagnostics: record which gradient leaves were not finite on the latest
+        step (``jls.metrics(...)["nonfinite_leaves"]``, `jls.nonfinite_paths`). Costs
+        nothing on finite steps; a skipped step makes one more exact pass.
+      max_consecutive_skips: the divergence limit, an int in ``[1, 2**31 -
+        1]``: the state's ``diverged`` flag turns ``True`` on the step that
+        makes this many skipped steps in a row, and stays ``True``. It is
+        plain state, exact under ``vmap``, ``scan`` and ``pmap``;
+        `jls.raise_if_diverged` raises `jls.DivergenceError` from it (on the
+        host, or inside ``jit`` under ``checkify``). ``None`` (default): no
+        limit.
+
+    Returns:
+      ``LossScaling(...).gradient_transformation()``: an
+      ``optax.GradientTransformationExtraArgs``; its state is described in
+      `LossScaling`.
+
+    Raises:
+      TypeError: if ``inner`` is not an optax transformation, ``scaler`` is
+        not a `LossScaler`, or ``axis_name`` is not a str or tuple of str.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jls
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx = jls.loss_scaling(optax.sgd(0.5), jls.dynamic_scale(init_scale=4))
+      >>> state = tx.init(params)
+      >>> grads = jax.grad(lambda p: jls.scale_loss(p["w"].sum(), state))(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"], jls.metrics(state)["loss_scale"]
+      (Array([-0.5, -0.5], dtype=float32), Array(4., dtype=float32))
+      >>> bad = {"w": jnp.array([1.0, jnp.inf])}
+      >>> updates, state = tx.update(bad, state, params)
+      >>> updates["w"], jls.metrics(state)["loss_scale"]
+      (Array([-0., -0.], dtype=float32), Array(2., dtype=float32))
+    """
+    return LossScaling(
+        inner,
+        scaler,
+        axis_name=axis_name,
+        diagnostics=diagnostics,
+        max_consecutive_skips=max_consecutive_skips,
+    ).gradient_transformation()
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+) -> tuple[optax.Params, WrapperState]:
+    """Applies one loss-scaled step to the parameters: the fused path.
+
+    Equivalent to ``updates, opt_state = tx.update(grads, opt_state, params)``
+    followed by ``optax.apply_updates(params, updates)``, with the same
+    guarantees, but the skip decision wraps the inner update and the
+    parameter update together: a skipped step returns ``params`` and the
+    inner state untouched without computing anything, and a finite step costs
+    one reduction over the gradients more than the plain optimizer. Donate
+    ``params`` and ``opt_state`` to ``jit`` to update them in place.
+
+    Args:
+      tx: a transformation made by `loss_scaling` (not wrapped further), or
+        a `LossScaling`.
+      grads: the scaled gradients.
+      opt_state: ``tx``'s state.
+      params: the parameters.
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Raises:
+      TypeError: if ``tx`` was not made by `loss_scaling`, or ``opt_state``
+        is not its state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jls
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx = jls.loss_scaling(optax.sgd(0.5), jls.static_scale(8.0))
+      >>> state = tx.init(params)
+      >>> grads = jax.grad(lambda p: jls.scale_loss(p["w"].sum(), state))(params)
+      >>> params, state = jls.apply_gradients(tx, grads, state, params)
+      >>> params["w"]
+      Array([0.5, 0.5], dtype=float32)
+    """
+    return LossScaling.of(tx).apply_gradients(grads, opt_state, params)
