@@ -11,6 +11,7 @@ from jls import presets
 from jls._divergence import DivergenceError, raise_if_diverged
 from jls._finite import all_finite
 from jls._loss_scaling import LossScaling, apply_gradients, loss_scaling
+from jls._policy import Policy, get_policy
 from jls._scaler import LossScaler, dynamic_scale, no_scale, static_scale
 from jls._scaling import scale_loss, unscale
 from jls._state import (
@@ -30,10 +31,12 @@ __all__ = [
     "LossScaleState",
     "LossScaler",
     "LossScaling",
+    "Policy",
     "StepOutput",
     "all_finite",
     "apply_gradients",
     "dynamic_scale",
+    "get_policy",
     "loss_scale_state",
     "loss_scaling",
     "metrics",

@@ -52,6 +52,7 @@ from jls._finite import nonfinite_leaf_flags, unscaled_finite
 from jls._scaler import LossScaler, dynamic_scale
 from jls._scaling import Factors, reciprocals, unscale_leaf
 from jls._state import LossScaleState, WrapperState, check_state
+from jls._trees import merge, split_inexact
 from jls._validate import axis_names, flag, integer
 
 Decision = tuple[jax.Array, jax.Array]
@@ -348,7 +349,11 @@ class LossScaling:
         Args:
           grads: the scaled gradients.
           opt_state: this object's state.
-          params: the parameters.
+          params: the parameters: any pytree, a whole model too (an equinox
+            ``Module``). Only its floating arrays are stepped (initialise the
+            optimizer on them: ``eqx.filter(model, eqx.is_inexact_array)``);
+            every other leaf (functions, Python numbers, integer arrays) is
+            returned as it is, as ``eqx.apply_updates`` does.
           decision: the step's `decide` result, when the caller took it
             (`jls.train_step` does, to retry); by default it is taken here.
         """
@@ -356,6 +361,7 @@ class LossScaling:
         if decision is None:
             decision = self.decide(grads, state.loss_scale)
         factors = self._reciprocals(grads, state.loss_scale)
+        params, rest = split_inexact(params)  # a whole model: the rest passes by
 
         def step(operands):
             grads, inner_state, params = operands
@@ -371,7 +377,8 @@ class LossScaling:
         (params, inner_state), loss_scale = self._guarded(
             decision, state.loss_scale, step, skip, operands
         )
-        return params, self._finish(state, grads, decision, inner_state, loss_scale)
+        new_state = self._finish(state, grads, decision, inner_state, loss_scale)
+        return merge(params, rest), new_state
 
     def _reciprocals(self, grads: Any, loss_scale: LossScaleState) -> Factors:
         """The unscaling factors, computed once, before the conditional.

@@ -42,6 +42,7 @@ from jax import lax
 from jls._loss_scaling import LossScaling
 from jls._scaling import compute_dtype
 from jls._state import LossScaleState
+from jls._trees import merge, split_inexact
 from jls._validate import flag, integer
 
 
@@ -172,14 +173,24 @@ def train_step(
             wide = compute_dtype(loss.dtype)
             return loss.astype(wide) * scale.astype(wide), (loss, aux)
 
+        # Differentiate the floating arrays only: a whole model (an equinox
+        # Module) also holds functions, numbers and integer arrays.
+        trainable, rest = split_inexact(params)
+
+        def grad(b):
+            def g(t, *b):
+                return f(merge(t, rest), *b)
+
+            return jax.grad(g, has_aux=True)(trainable, *b)
+
         if k == 1:
-            grads, (loss, aux) = jax.grad(f, has_aux=True)(params, *batch)
+            grads, (loss, aux) = grad(batch)
             return grads, jnp.asarray(loss, jnp.float32), aux
 
         pre = _pow2_at_most_inverse(k)
 
         def micro(acc, b):
-            g, (loss, aux) = jax.grad(f, has_aux=True)(params, *b)
+            g, (loss, aux) = grad(b)
             acc = jax.tree.map(
                 lambda a, x: a + x.astype(a.dtype) * jnp.asarray(pre, a.dtype), acc, g
             )
@@ -187,7 +198,7 @@ def train_step(
 
         micro_batches = _split(tuple(batch), k)
         first = jax.tree.map(lambda x: x[0], micro_batches)
-        shapes = jax.eval_shape(lambda: jax.grad(f, has_aux=True)(params, *first))[0]
+        shapes = jax.eval_shape(lambda: grad(first))[0]
         zeros = jax.tree.map(
             lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes
         )

@@ -25,3 +25,11 @@ def test_example_help():
         timeout=120,
     )
     assert out.returncode == 0 and "--steps" in out.stdout
+
+
+def test_equinox_example_trains_in_float16():
+    path = EXAMPLE.parent / "equinox_fp16.py"
+    summary = runpy.run_path(str(path))["main"](["--steps", "120"])
+    # The scale starts at 2**24: float16 overflows and those steps are skipped.
+    assert summary["skipped_steps"] >= 1 and summary["loss_scale"] < 2.0**24
+    assert summary["final_loss"] < 0.01

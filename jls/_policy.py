@@ -1,0 +1,184 @@
+"""A mixed-precision casting policy, compatible with jmp's.
+
+`get_policy` parses the same strings as ``jmp.get_policy``
+(``"params=float32,compute=float16,output=float32"``, ``"p=f32,c=f16"``,
+``"half"``) into a `Policy` with the same fields and methods, so a jmp user
+moves both halves of their setup (the policy and ``jmp.DynamicLossScale``,
+see `jls.presets.jmp`) to jls. Casting touches floating arrays only: integer
+and bool arrays, Python numbers, functions and any other leaf pass through
+as the same object, so an equinox ``Module`` or a flax variable tree is cast
+as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+_NAMES = {  # the first name of each is the one str(policy) prints, as jmp does
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(np.float16): ("f16", "float16"),
+    np.dtype(np.float32): ("full", "f32", "float32"),
+    np.dtype(np.float64): ("f64", "float64"),
+}
+_DTYPES = {name: dtype for dtype, names in _NAMES.items() for name in names}
+_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute"}
+_KEYS.update({"o": "output", "output": "output"})
+
+
+def half_dtype() -> np.dtype:
+    """The half-precision dtype of the backend: bfloat16 on TPU, else float16."""
+    on_tpu = jax.local_devices()[0].platform == "tpu"
+    return np.dtype(jnp.bfloat16 if on_tpu else np.float16)
+
+
+def _parse_dtype(name: str, policy: str) -> np.dtype:
+    if name == "half":
+        return half_dtype()
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"Unknown dtype {name!r} in policy {policy!r}: use one of half, "
+            f"{', '.join(sorted(_DTYPES))}"
+        ) from None
+
+
+def _floating(name: str, dtype: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be a floating dtype, got {dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dtype}")
+    return dtype
+
+
+def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    def cast(x: Any) -> Any:
+        is_array = isinstance(x, (jax.Array, np.ndarray))
+        if is_array and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtypes parameters, computation and outputs use.
+
+    Attributes:
+      param_dtype: the dtype parameters are stored in (float32 master weights).
+      compute_dtype: the dtype the model computes in (float16, bfloat16).
+      output_dtype: the dtype of the model's outputs (the loss).
+
+    Example:
+      >>> import jax.numpy as jnp, jls
+      >>> policy = jls.get_policy("params=float32,compute=float16,output=float32")
+      >>> print(policy)
+      p=full,c=f16,o=full
+      >>> tree = {"w": jnp.ones(2), "step": jnp.int32(3), "act": jnp.tanh}
+      >>> cast = policy.cast_to_compute(tree)
+      >>> cast["w"].dtype.name, cast["step"].dtype.name, cast["act"] is jnp.tanh
+      ('float16', 'int32', True)
+    """
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, _floating(field, getattr(self, field)))
+
+    def cast_to_param(self, tree: T) -> T:
+        """``tree`` with its floating arrays in ``param_dtype``."""
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """``tree`` with its floating arrays in ``compute_dtype``."""
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """``tree`` with its floating arrays in ``output_dtype``."""
+        return _cast_floating(tree, self.output_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """This policy with another ``output_dtype``."""
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` with its arguments cast to compute and its results to output.
+
+        Wrap the model's forward pass (or the loss) with it; the parameters
+        stay in ``param_dtype`` outside, so their gradients do too.
+
+        Example:
+          >>> import jax.numpy as jnp, jls
+          >>> policy = jls.get_policy("c=f16,o=f32")
+          >>> f = policy.wrap(lambda w, x: (w * x).dtype.name)
+          >>> f(jnp.ones(2), jnp.ones(2))
+          'float16'
+        """
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = self.cast_to_compute((args, kwargs))
+            return self.cast_to_output(fn(*args, **kwargs))
+
+        return wrapped
+
+    def __str__(self) -> str:
+        p, c, o = (
+            _NAMES[d][0]
+            for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
+        )
+        return f"p={p},c={c},o={o}"
+
+
+def get_policy(policy: str) -> Policy:
+    """A `Policy` parsed from a string, as ``jmp.get_policy`` parses it.
+
+    ``"c=f16"``: parameters in float32, compute and output in float16.
+    ``"p=f32,c=f16,o=f32"`` (or ``params=``, ``compute=``, ``output=``): each
+    given; parameters default to float32, compute follows the parameters and
+    output follows compute. A bare dtype (``"float16"``, ``"half"``) sets all
+    three. Dtype names: ``full``/``f32``/``float32``, ``f16``/``float16``,
+    ``bf16``/``bfloat16``, ``f64``/``float64`` and ``half`` (bfloat16 on TPU,
+    else float16).
+
+    Raises:
+      ValueError: for an unknown key or dtype name (the message names it).
+      TypeError: if ``policy`` is not a string.
+
+    Example:
+      >>> import jls
+      >>> policy = jls.get_policy("c=bf16")
+      >>> policy.param_dtype.name, policy.compute_dtype.name, policy.output_dtype.name
+      ('float32', 'bfloat16', 'bfloat16')
+    """
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a string, got {policy!r}")
+    if "=" not in policy:
+        dtype = _parse_dtype(policy, policy)
+        return Policy(dtype, dtype, dtype)
+    dtypes: dict[str, np.dtype] = {"param": np.dtype(np.float32)}
+    for part in policy.split(","):
+        key, _, value = part.partition("=")
+        if key not in _KEYS:
+            raise ValueError(
+                f"Unknown key {key!r} in policy {policy!r}: use params (p), "
+                "compute (c) or output (o)"
+            )
+        dtypes[_KEYS[key]] = _parse_dtype(value, policy)
+    compute = dtypes.get("compute", dtypes["param"])
+    return Policy(dtypes["param"], compute, dtypes.get("output", compute))
