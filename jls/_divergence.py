@@ -53,7 +53,7 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
             "keeps the diverged flag); found "
             f"{len(found) or 'no'} such state(s)"
         )
-    return found[0].diverged, "the transformation's max_consecutive_skips"
+    return found[0].diverged, "set by loss_scaling's max_consecutive_skips"
 
 
 def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) -> None:

@@ -77,6 +77,16 @@ def _checked_natively(dtype: Any) -> bool:
     )
 
 
+def _sharded_in_its_type(x: jax.Array) -> bool:
+    """Whether ``x``'s type names mesh axes (explicit sharding).
+
+    Such leaves cannot be raveled or concatenated with others without saying
+    how the result is sharded: they are checked one by one.
+    """
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return any(axis is not None for axis in (spec or ()))
+
+
 def _is_complex(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.complexfloating)
 
@@ -114,7 +124,7 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
             continue
         parts = [jnp.real(x), jnp.imag(x)] if _is_complex(x) else [x]
         wide = compute_dtype(parts[0].dtype)
-        if x.size <= SMALL_LEAF:
+        if x.size <= SMALL_LEAF and not _sharded_in_its_type(x):
             small.setdefault(wide, []).extend(parts)
         else:
             flags.extend(jnp.isfinite(_shrunk_sum([p], p.size, wide)) for p in parts)

@@ -38,6 +38,7 @@ its HLO has no more array copies than the plain step's.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
@@ -66,6 +67,25 @@ class _Transformation(Protocol):
 
     @property
     def update(self) -> Callable[..., Any]: ...
+
+
+def _with_extra_args(inner: _Transformation) -> optax.GradientTransformationExtraArgs:
+    """``inner`` as an optax pair whose ``update`` takes extra arguments.
+
+    ``optax.with_extra_args_support`` drops them for anything that is not a
+    ``GradientTransformationExtraArgs``, such as an ``optax.MultiSteps``
+    object, whose ``update`` forwards them to its own inner optimizer: an
+    ``update`` that takes ``**kwargs`` keeps them.
+    """
+    if isinstance(inner, optax.GradientTransformationExtraArgs):
+        return inner
+    try:
+        parameters = inspect.signature(inner.update).parameters.values()
+    except (TypeError, ValueError):  # no signature to read
+        parameters = ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return optax.GradientTransformationExtraArgs(inner.init, inner.update)
+    return optax.with_extra_args_support(cast(optax.GradientTransformation, inner))
 
 
 def _varying_axes(x: jax.Array) -> frozenset[str]:
@@ -203,9 +223,7 @@ class LossScaling:
                 "jls.static_scale(v), jls.no_scale() or a jls.presets one), got "
                 f"{scaler!r:.200}"
             )
-        self.inner = optax.with_extra_args_support(
-            cast(optax.GradientTransformation, inner)
-        )
+        self.inner = _with_extra_args(inner)
         self.scaler = scaler
         self.axis_name = axis_names("axis_name", axis_name)
         self.diagnostics = flag("diagnostics", diagnostics)
@@ -343,6 +361,7 @@ class LossScaling:
         opt_state: optax.OptState,
         params: optax.Params,
         decision: Decision | None = None,
+        **extra_args: Any,
     ) -> tuple[optax.Params, WrapperState]:
         """The fused step (`jls.apply_gradients`): ``(new_params, new_opt_state)``.
 
@@ -356,6 +375,8 @@ class LossScaling:
             returned as it is, as ``eqx.apply_updates`` does.
           decision: the step's `decide` result, when the caller took it
             (`jls.train_step` does, to retry); by default it is taken here.
+          **extra_args: forwarded to the inner optimizer's ``update`` (e.g.
+            ``value=`` for ``optax.contrib.reduce_on_plateau``).
         """
         state = self.check_state(opt_state)
         if decision is None:
@@ -366,7 +387,9 @@ class LossScaling:
         def step(operands):
             grads, inner_state, params = operands
             grads = self._unscale(grads, factors)
-            updates, inner_state = self.inner.update(grads, inner_state, params)
+            updates, inner_state = self.inner.update(
+                grads, inner_state, params, **extra_args
+            )
             return optax.apply_updates(params, updates), inner_state
 
         def skip(operands, out):
@@ -570,6 +593,7 @@ def apply_gradients(
     grads: optax.Updates,
     opt_state: optax.OptState,
     params: optax.Params,
+    **extra_args: Any,
 ) -> tuple[optax.Params, WrapperState]:
     """Applies one loss-scaled step to the parameters: the fused path.
 
@@ -586,7 +610,9 @@ def apply_gradients(
         a `LossScaling`.
       grads: the scaled gradients.
       opt_state: ``tx``'s state.
-      params: the parameters.
+      params: the parameters (a whole model too: see
+        `LossScaling.apply_gradients`).
+      **extra_args: forwarded to the inner optimizer's ``update``.
 
     Returns:
       ``(new_params, new_opt_state)``.
@@ -605,4 +631,4 @@ def apply_gradients(
       >>> params["w"]
       Array([0.5, 0.5], dtype=float32)
     """
-    return LossScaling.of(tx).apply_gradients(grads, opt_state, params)
+    return LossScaling.of(tx).apply_gradients(grads, opt_state, params, **extra_args)

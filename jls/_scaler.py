@@ -75,11 +75,16 @@ def _config(fields: dict[str, Any], name: Namer) -> dict[str, Any]:
                 f"give {name('backoff_factor')} or {name('backoff_divisor')}, not "
                 f"both; got {backoff!r} and {divisor!r}"
             )
-        backoff = 1 / divisor
+        # The factor the divisor implies must be a normal float32 too: named
+        # after the argument the user gave.
+        out["backoff_factor"] = factor(
+            f"1 / {name('backoff_divisor')}", 1 / divisor, below_one=True
+        )
+    else:
+        out["backoff_factor"] = factor(
+            name("backoff_factor"), 0.5 if backoff is None else backoff, below_one=True
+        )
     out["backoff_divisor"] = divisor
-    out["backoff_factor"] = factor(
-        name("backoff_factor"), 0.5 if backoff is None else backoff, below_one=True
-    )
     interval = integer(name("growth_interval"), fields["growth_interval"], 1)
     out["growth_interval"] = interval
     first = fields["first_growth_interval"]

@@ -88,7 +88,8 @@ def integer(name: str, value: Any, low: int, high: int = I32_MAX) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}")
     value = int(value)
     if not low <= value <= high:
-        bounds = f">= {low}" if high == I32_MAX else f"in [{low}, {high}]"
+        short = value < low and high == I32_MAX
+        bounds = f">= {low}" if short else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an int {bounds}, got {value!r}")
     return value
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 
 import jls
@@ -147,3 +148,30 @@ def test_float64_under_x64():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_explicitly_sharded_small_leaves_are_checked_one_by_one():
+    # Under explicit sharding a leaf's type names mesh axes: it cannot be
+    # raveled or concatenated with differently sharded leaves, so the small
+    # leaves' shared reduction must leave it out.
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+    bad = np.ones((4, 2), np.float32)
+    bad[0, 1] = np.nan
+    with jax.set_mesh(mesh):
+        grads = {
+            "rows": jax.device_put(np.ones((4, 2), np.float32), P("x", None)),
+            "cols": jax.device_put(np.ones((4, 2), np.float32), P(None, "x")),
+            "b": jnp.ones(2),
+        }
+        assert bool(jax.jit(all_finite)(grads))
+        grads["cols"] = jax.device_put(bad, P(None, "x"))
+        assert not bool(jax.jit(all_finite)(grads))
+        tx = jls.loss_scaling(optax.adam(0.1), jls.dynamic_scale(4.0))
+        state = tx.init(grads)
+        _, state = jax.jit(lambda g, s, p: jls.apply_gradients(tx, g, s, p))(
+            grads, state, grads
+        )
+        assert float(state.loss_scale.scale) == 2.0

@@ -567,3 +567,18 @@ def test_weakly_typed_state_keeps_its_types_over_a_skipped_step():
     state = tx.init({"b": jnp.full((3,), 0.1)})
     _, after = jax.jit(tx.update)({"b": jnp.full((3,), jnp.nan)}, state)
     assert jax.tree.map(jax.typeof, after) == jax.tree.map(jax.typeof, state)
+
+
+def test_extra_args_reach_the_inner_optimizer_through_multisteps_and_fused():
+    # reduce_on_plateau needs value=; MultiSteps forwards extra args to its
+    # inner optimizer, and so must jls, on tx.update and on the fused path.
+    inner = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=1))
+    params = jnp.ones(2)
+    for wrapped in (inner, optax.MultiSteps(inner, every_k_schedule=1)):
+        tx = jls.loss_scaling(wrapped, jls.static_scale(2.0))
+        state = tx.init(params)
+        updates, _ = jax.jit(tx.update)(jnp.full(2, 2.0), state, params, value=1.0)
+        np.testing.assert_array_equal(updates, [-1.0, -1.0])
+        fused = functools.partial(jls.apply_gradients, tx, value=jnp.float32(1.0))
+        new, _ = jax.jit(fused)(jnp.full(2, 2.0), state, params)
+        np.testing.assert_array_equal(new, [0.0, 0.0])

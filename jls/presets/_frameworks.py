@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from jls._scaler import LossScaler, make_dynamic, make_static, no_scale
-from jls._validate import F32_MAX, F32_TINY, flag, integer, real
+from jls._validate import F32_MAX, F32_TINY, I32_MAX, flag, integer, real
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -206,7 +206,12 @@ def mindspore(
     _check(factor >= 1, f"scale_factor must be >= 1 in jls, got {factor!r}")
     window = integer("scale_window", scale_window, 1)
     return _dynamic(
-        {"init_scale": "init_loss_scale", "growth_interval": "scale_window"},
+        {
+            "init_scale": "init_loss_scale",
+            "growth_factor": "scale_factor",
+            "backoff_factor": "1 / scale_factor",
+            "growth_interval": "scale_window",
+        },
         init_scale=init,
         growth_factor=factor,
         backoff_factor=1 / factor,
@@ -266,11 +271,15 @@ def nnabla(
       >>> s.growth_interval, s.first_growth_interval
       (3, 4)
     """
-    n = integer("N", N, 0)
+    n = integer("N", N, 0, I32_MAX - 2)  # the first growth comes on step N + 2
     factor = real("scaling_factor", scaling_factor)
     _check(factor >= 1, f"scaling_factor must be >= 1, got {factor!r}")
     return _dynamic(
-        {"init_scale": "scale", "growth_factor": "scaling_factor"},
+        {
+            "init_scale": "scale",
+            "growth_factor": "scaling_factor",
+            "backoff_divisor": "scaling_factor",
+        },
         init_scale=scale,
         growth_factor=factor,
         backoff_divisor=factor,
@@ -384,7 +393,12 @@ def tensorflow_v1(
     factor = real("multiplier", multiplier)
     _check(factor >= 1, f"multiplier must be >= 1, got {factor!r}")
     return _dynamic(
-        {"init_scale": "initial_loss_scale", "growth_interval": "increment_period"},
+        {
+            "init_scale": "initial_loss_scale",
+            "growth_factor": "multiplier",
+            "backoff_divisor": "multiplier",
+            "growth_interval": "increment_period",
+        },
         init_scale=initial_loss_scale,
         growth_factor=factor,
         backoff_divisor=factor,
@@ -501,15 +515,19 @@ def deepspeed(
         )
     shift = next((h for h in (delayed_shift, hysteresis) if h is not None), 1)
     flag("raise_error_at_min_scale", raise_error_at_min_scale)
-    window = integer("scale_window", scale_window, 1)
+    # The first growth comes on step scale_window + 1.
+    window = integer("scale_window", scale_window, 1, I32_MAX - 1)
     factor = real("scale_factor", scale_factor)
+    names = {
+        "growth_factor": "scale_factor",
+        "backoff_divisor": "scale_factor",
+        "growth_interval": "scale_window",
+        "hysteresis": "delayed_shift" if hysteresis is None else "hysteresis",
+    }
+    if initial_scale_power is not None:
+        names["init_scale"] = "2**initial_scale_power"
     return _dynamic(
-        {
-            "growth_factor": "scale_factor",
-            "backoff_divisor": "scale_factor",
-            "growth_interval": "scale_window",
-            "hysteresis": "delayed_shift",
-        },
+        names,
         init_scale=2.0**32 if init_scale is None else init_scale,
         growth_factor=factor,
         backoff_divisor=factor,
