@@ -228,12 +228,18 @@ def run(
     steps_per_sample: int = 1,
     only: list[str] | None = None,
     seed: int = 0,
+    variants_fn=None,
 ) -> dict:
-    """Benchmarks the variants on one model; returns the summary."""
+    """Benchmarks the variants on one model; returns the summary.
+
+    ``variants_fn(loss_fn, params)`` makes the variants (default
+    `make_variants`), each ``(step, state)`` with ``step(params, state,
+    batch) -> (params, state)`` and one of them named ``plain``.
+    """
     loss_fn, params, batch = make_problem(name)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_leaves = len(jax.tree.leaves(params))
-    variants = make_variants(loss_fn, params)
+    variants = (variants_fn or make_variants)(loss_fn, params)
     if only:
         variants = {k: v for k, v in variants.items() if k == "plain" or k in only}
     state = {}

@@ -254,9 +254,11 @@ class LossScaling:
         if not isinstance(owner, LossScaling):
             raise TypeError(
                 "tx must be a transformation made by jls.loss_scaling(...) itself "
-                "(not wrapped in optax.chain or another wrapper); for other "
-                "transformations use tx.update and optax.apply_updates. Got "
-                f"{tx!r:.200}"
+                "(not wrapped in optax.chain, optax.inject_hyperparams or another "
+                "wrapper: put those inside, e.g. jls.loss_scaling("
+                "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)), which "
+                "keeps the fused path); for other transformations use tx.update "
+                f"and optax.apply_updates. Got {tx!r:.200}"
             )
         return owner
 

@@ -10,6 +10,7 @@ import re
 import pytest
 
 import jls
+import jls.flax as jls_flax
 from jls import demo, presets
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -31,6 +32,7 @@ def _public(module, names=None):
 PUBLIC = [
     *_public(jls, jls.__all__),
     *_public(presets, presets.__all__),
+    *_public(jls_flax, ["Optimizer", "TrainState"]),
 ]
 
 

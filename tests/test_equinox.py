@@ -4,6 +4,9 @@
 functions, Python numbers and integer arrays pass by unchanged.
 """
 
+# pyright: reportIndexIssue=false, reportArgumentType=false
+# pyright: reportAttributeAccessIssue=false, reportOperatorIssue=false
+
 import pathlib
 
 import chex

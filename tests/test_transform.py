@@ -582,3 +582,22 @@ def test_extra_args_reach_the_inner_optimizer_through_multisteps_and_fused():
         fused = functools.partial(jls.apply_gradients, tx, value=jnp.float32(1.0))
         new, _ = jax.jit(fused)(jnp.full(2, 2.0), state, params)
         np.testing.assert_array_equal(new, [0.0, 0.0])
+
+
+def test_inject_hyperparams_inside_keeps_the_fused_path():
+    # Wrapped around loss_scaling, inject_hyperparams rebuilds the whole
+    # transformation on every update, so there is no LossScaling to reach:
+    # the error says to put it inside, where the fused path works and the
+    # hyperparameters stay reachable.
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+    tx = jls.loss_scaling(inner, jls.static_scale(2.0))
+    params = jnp.ones(2)
+    state = tx.init(params)
+    state = optax.tree.set(state, learning_rate=jnp.asarray(0.25))
+    new, state = jax.jit(functools.partial(jls.apply_gradients, tx))(
+        jnp.full(2, 2.0), state, params
+    )
+    np.testing.assert_array_equal(new, [0.75, 0.75])
+    outer = optax.inject_hyperparams(jls.loss_scaling)(inner=optax.sgd(0.1))
+    with pytest.raises(TypeError, match="put those inside"):
+        jls.apply_gradients(outer, jnp.ones(2), outer.init(params), params)

@@ -1,0 +1,127 @@
+"""flax drop-ins on jls's fused path: ``jls.flax.Optimizer``, ``jls.flax.TrainState``.
+
+``nnx.Optimizer.update`` and linen's ``TrainState.apply_gradients`` call
+``tx.update`` and then ``optax.apply_updates``: with a `jls.loss_scaling`
+transformation that works, but materialises the updates tree between the two
+(the ``tx.update`` path, measured in ``benchmarks/bench_flax.py``). These
+subclasses change only that: they apply the step with `jls.apply_gradients`
+(one ``lax.cond`` around the inner update and the parameter update), and
+their ``step`` counts applied steps only, so it matches the inner optimizer's
+own count and the schedules it drives. Everything else is flax's.
+
+fp8: linen's ``TrainState`` overwrites the ``_overwrite_with_gradient``
+collection (the fp8 scales and amax histories that flax's fp8 ops return as
+their "gradients") directly, outside ``tx``. ``jls.flax.TrainState`` does
+the same, with Keras's ``LossScaleOptimizer`` semantics under loss scaling:
+these values are never unscaled (they are not gradients), but they are
+checked with the gradients, and a skipped step keeps the old ones. A
+backward pass that overflows records an infinite amax even where fp8
+clamping kept the gradients themselves finite; written into the history, it
+would make every later fp8 scale 0.
+
+Needs flax (``pip install "jls[flax]"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.training import train_state
+
+import jls
+
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+class TrainState(train_state.TrainState):
+    """linen's ``TrainState`` on jls's fused path; ``step`` counts applied steps.
+
+    Make it as flax's: ``jls.flax.TrainState.create(apply_fn=..., params=...,
+    tx=jls.loss_scaling(...))``; ``apply_gradients(grads=scaled_grads)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jls, jls.flax
+      >>> tx = jls.loss_scaling(optax.sgd(0.5), jls.static_scale(4.0))
+      >>> state = jls.flax.TrainState.create(
+      ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=tx
+      ... )
+      >>> state = state.apply_gradients(grads={"w": jnp.full(2, 4.0)})
+      >>> state.params["w"], int(state.step)
+      (Array([0.5, 0.5], dtype=float32), 1)
+      >>> state = state.apply_gradients(grads={"w": jnp.full(2, jnp.inf)})
+      >>> state.params["w"], int(state.step)  # skipped: nothing moves
+      (Array([0.5, 0.5], dtype=float32), 1)
+    """
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """One fused, loss-scaled step (``grads`` are the scaled gradients)."""
+        scaling = jls.LossScaling.of(self.tx)
+        fp8 = OVERWRITE_WITH_GRADIENT in grads
+        params = self.params["params"] if fp8 else self.params
+        trainable = grads["params"] if fp8 else grads
+        # The decision reads every value, the fp8 ones too (as Keras's
+        # check does); only the trainable gradients are unscaled and stepped.
+        loss_scale = scaling.check_state(self.opt_state).loss_scale
+        decision = scaling.decide(grads, loss_scale)
+        new_params, opt_state = scaling.apply_gradients(
+            trainable, self.opt_state, params, decision
+        )
+        applied = decision[1]
+        if fp8:
+            old = self.params[OVERWRITE_WITH_GRADIENT]
+            new = grads[OVERWRITE_WITH_GRADIENT]
+            kept = _where(applied, new, old)
+            new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: kept}
+        return self.replace(
+            step=self.step + applied.astype(jnp.asarray(self.step).dtype),
+            params=new_params,
+            opt_state=opt_state,
+            **kwargs,
+        )
+
+
+def _where(applied: Any, new: Any, old: Any) -> Any:
+    """``new`` where ``applied`` else ``old``, leaf by leaf (small fp8 state)."""
+    return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+class Optimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` on jls's fused path; ``step`` counts applied steps.
+
+    Make it as flax's: ``jls.flax.Optimizer(model, jls.loss_scaling(...),
+    wrt=nnx.Param)``; ``optimizer.update(model, scaled_grads)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls, jls.flax
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(8.0))
+      >>> optimizer = jls.flax.Optimizer(model, tx, wrt=nnx.Param)
+      >>> def loss(m):
+      ...     return jls.scale_loss(m(jnp.ones((1, 2))).sum(), optimizer.opt_state)
+      >>> optimizer.update(model, nnx.grad(loss)(model))
+      >>> m = jls.metrics(optimizer.opt_state)
+      >>> int(optimizer.step[...]), float(m["loss_scale"])
+      (1, 8.0)
+    """
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
+        """One fused, loss-scaled step (``grads`` are the scaled gradients).
+
+        Unlike flax's, returns nothing: the fused path never builds the
+        updates tree.
+        """
+        graph = {} if getattr(self, "graph", None) is None else {"graph": self.graph}
+        pure = getattr(nnx, "as_pure", lambda tree: tree)
+        params = pure(nnx.state(model, self.wrt, **graph))
+        grad_arrays = pure(nnx.state(grads, self.wrt, **graph))
+        new_params, opt_state = jls.apply_gradients(
+            self.tx, grad_arrays, pure(self.opt_state), params, **pure(kwargs)
+        )
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(opt_state, **graph))
+        applied = ~jls.metrics(opt_state)["skipped"]
+        self.step[...] += applied.astype(self.step[...].dtype)

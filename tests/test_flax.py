@@ -1,0 +1,148 @@
+"""jls.flax: the nnx Optimizer and linen TrainState drop-ins, and fp8 state."""
+
+# pyright: reportIndexIssue=false, reportArgumentType=false
+# pyright: reportAttributeAccessIssue=false, reportOperatorIssue=false
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.linen import fp8_ops
+from flax.training import train_state
+
+import jls
+import jls.flax
+
+X = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+Y = jnp.ones((4, 2))
+
+
+def _tx():
+    return jls.loss_scaling(optax.adam(1e-2), jls.dynamic_scale(2.0**10))
+
+
+# linen TrainState ---------------------------------------------------------------
+
+
+def test_train_state_matches_flax_and_counts_applied_steps():
+    model = nn.Dense(2)
+    params = model.init(jax.random.key(0), X)
+
+    def loss_fn(p, x):
+        return jnp.mean((model.apply(p, x) - Y) ** 2)
+
+    def make(cls):
+        return cls.create(apply_fn=model.apply, params=params, tx=_tx())
+
+    @jax.jit
+    def step(state, x):
+        def scaled(p):
+            return jls.scale_loss(loss_fn(p, x), state.opt_state)
+
+        return state.apply_gradients(grads=jax.grad(scaled)(state.params))
+
+    ours, theirs = make(jls.flax.TrainState), make(train_state.TrainState)
+    for i in range(6):
+        x = X.at[0, 0].set(jnp.nan) if i == 3 else X
+        before = ours.params
+        ours, theirs = step(ours, x), step(theirs, x)
+        if i == 3:
+            chex.assert_trees_all_equal(ours.params, before)
+        chex.assert_trees_all_close(ours.params, theirs.params, rtol=1e-6)
+    # flax counts every call; jls.flax counts applied steps, as Adam does.
+    assert int(theirs.step) == 6 and int(ours.step) == 5
+    assert int(optax.tree.get(ours.opt_state, "count")) == 5
+
+
+# nnx Optimizer --------------------------------------------------------------------
+
+
+def test_nnx_optimizer_matches_flax_and_counts_applied_steps():
+    def make(cls):
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        return model, cls(model, _tx(), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        def scaled(m):
+            loss = jnp.mean((m(x) - Y) ** 2)
+            return jls.scale_loss(loss, optimizer.opt_state)
+
+        optimizer.update(model, nnx.grad(scaled)(model))
+
+    ours, theirs = make(jls.flax.Optimizer), make(nnx.Optimizer)
+    for i in range(6):
+        x = X.at[0, 0].set(jnp.inf) if i == 2 else X
+        before = jax.tree.map(jnp.copy, nnx.state(ours[0], nnx.Param))
+        step(*ours, x)
+        step(*theirs, x)
+        mine = nnx.state(ours[0], nnx.Param)
+        if i == 2:
+            chex.assert_trees_all_equal(mine, before)
+        chex.assert_trees_all_close(mine, nnx.state(theirs[0], nnx.Param), rtol=1e-6)
+    assert int(theirs[1].step[...]) == 6 and int(ours[1].step[...]) == 5
+    m = jls.metrics(ours[1].opt_state)
+    assert int(m["total_skips"]) == 1
+
+
+# fp8: the _overwrite_with_gradient collection -------------------------------------
+
+
+class Fp8Model(nn.Module):
+    """A Dense layer whose dot is flax's fp8 dot (scales and amax histories)."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.Dense(2, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)
+        return dense(x)
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_fp8_state_is_overwritten_on_applied_steps_only(finite):
+    model = Fp8Model()
+    variables = model.init(jax.random.key(0), X)
+    owg = fp8_ops.OVERWRITE_WITH_GRADIENT
+    assert set(variables) == {"params", owg}
+
+    def loss_fn(v, x):
+        return jnp.mean((model.apply(v, x) - Y) ** 2)
+
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(8.0))
+    state = jls.flax.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    plain = train_state.TrainState.create(
+        apply_fn=model.apply, params=variables, tx=optax.sgd(0.1)
+    )
+
+    @jax.jit
+    def scaled_grads(state, x):
+        def scaled(v):
+            return jls.scale_loss(loss_fn(v, x), state.opt_state)
+
+        return jax.grad(scaled)(state.params)
+
+    x = X if finite else X.at[0, 0].set(jnp.inf)
+    grads = scaled_grads(state, x)
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+    if finite:
+        # The fp8 scales and amax histories are the values flax's ops return,
+        # neither unscaled nor held back, as flax's own TrainState sets them.
+        chex.assert_trees_all_equal(new.params[owg], grads[owg])
+        flax_grads = jax.grad(loss_fn)(variables, x)
+        flax_new = plain.apply_gradients(grads=flax_grads)
+        chex.assert_trees_all_close(
+            new.params["params"], flax_new.params["params"], rtol=1e-6
+        )
+        assert int(new.step) == 1
+    else:
+        # The input's inf is clamped by the fp8 cast, so the kernel's gradient
+        # is finite, but the recorded amax is not: the step must be skipped
+        # and the fp8 state kept, or every later fp8 scale would be 0.
+        assert bool(jls.all_finite(grads["params"]))
+        assert not bool(jls.all_finite(grads[owg]))
+        chex.assert_trees_all_equal(new.params, variables)
+        assert int(new.step) == 0
+        np.testing.assert_array_equal(jls.metrics(new.opt_state)["total_skips"], 1)
