@@ -5,11 +5,12 @@ Design (chosen by measurement; ``benchmarks/bench_all_finite.py`` re-runs it):
 * For float32, bfloat16, float64 and complex leaves the check is a sum of magnitudes per
   leaf (``sum(|x| * 2**-k)``, see below; accumulated in float32, or in the leaf's own
   dtype when wider) followed by one ``isfinite`` of the total. On XLA:CPU it runs at
-  0.7-0.8x a plain sum when called alone (and costs nothing measurable inside a train
-  step, where XLA fuses it with work it does anyway), where ``jnp.isfinite(x).all()``
-  costs 2-4x, any select 5-8x, and an integer reduction over the bits (exponent max)
-  4-10x: it does not vectorise. ``jnp.max`` is never used: on XLA:CPU it drops nan on
-  large arrays.
+  0.6-0.75x a plain sum when called alone (bfloat16 in a few large leaves: 0.4x, the
+  shrink's multiplication breaks XLA:CPU's fast convert-and-sum loop) (and costs nothing
+  measurable inside a train step, where XLA fuses it with work it does anyway), where
+  ``jnp.isfinite(x).all()`` costs 2-4x, any select 5-8x, and an integer reduction over
+  the bits (exponent max) 4-10x: it does not vectorise. ``jnp.max`` is never used: on
+  XLA:CPU it drops nan on large arrays.
 * Why magnitudes, and not the plain sum (jls 0.1): the gradient is usually produced in
   the same ``jit``, and the compiler fuses its producer into the reduction. With a plain
   sum, ``sum(a * c)`` may be contracted into ``fma(a, c, acc)`` or factored into ``c *
