@@ -19,7 +19,8 @@ backward pass that overflows records an infinite amax even where fp8
 clamping kept the gradients themselves finite; written into the history, it
 would make every later fp8 scale 0.
 
-Needs flax (``pip install "jls[flax]"``).
+Needs flax: ``pip install -e ".[flax]"`` in a checkout of the repository
+(jls is not on a package index yet).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ curves, the loss-scale trajectory with skipped steps marked, the underflow
 fraction per step, and a histogram of gradient magnitudes against the float16
 range) to ``--out``.
 
-The demo needs the ``demo`` extra: ``pip install "jls[demo]"`` (scikit-learn,
+The demo needs the ``demo`` extra: ``pip install -e ".[demo]"`` in a checkout
+of the repository (jls is not on a package index yet; scikit-learn,
 matplotlib, tqdm).
 """
 
@@ -610,7 +611,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "at the same parameters, the fraction that is exactly 0 in the "
             "mode's gradients, averaged over the run and over its last tenth "
             "(at end); time s = training time without compilation. Needs the "
-            'demo extra: pip install "jls[demo]".'
+            'demo extra: pip install -e ".[demo]" in a checkout of the jls repository.'
         ),
     )
     parser.add_argument(
@@ -669,6 +670,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         parser.exit(
             2,
             f"python -m jls.demo needs the demo extra ({e.name} is missing): "
-            'pip install "jls[demo]"\n',
+            'pip install -e ".[demo]"  (in a checkout of the jls repository)\n',
         )
     return run(config, args.out, show_progress=not args.no_progress)
