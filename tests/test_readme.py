@@ -7,6 +7,7 @@ only the user's own objects supplied: ``params``, ``batch`` and
 
 import pathlib
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ def test_block_runs_as_written(index, tmp_path, monkeypatch):
 
 
 def test_the_quickstart_trains_in_float16():
-    namespace = {"__name__": "quickstart"}
+    namespace: dict[str, Any] = {"__name__": "quickstart"}
     exec(compile(BLOCKS[0], "README.md block 0", "exec"), namespace)
     policy, params = namespace["policy"], namespace["params"]
     assert policy.compute_dtype == jnp.float16
