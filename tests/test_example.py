@@ -33,3 +33,14 @@ def test_equinox_example_trains_in_float16():
     # The scale starts at 2**24: float16 overflows and those steps are skipped.
     assert summary["skipped_steps"] >= 1 and summary["loss_scale"] < 2.0**24
     assert summary["final_loss"] < 0.01
+
+
+def test_char_lm_example_runs_every_mode():
+    main = runpy.run_path(str(EXAMPLE.parent / "char_lm.py"))["main"]
+    rows = main(["--steps", "8", "--no-plot"])
+    assert [r["mode"] for r in rows] == ["f32", "bf16", "f16", "f16-jls"]
+    for r in rows:  # every mode learns something in 8 steps (it starts at ln 256)
+        assert r["train_loss"] < 5.5 and r["held_out_loss"] < 5.5, r["mode"]
+    jls_row = rows[-1]
+    assert jls_row["skipped"] is not None and jls_row["final_scale"] <= 2.0**15
+    assert rows[0]["skipped"] is None  # plain optax cannot skip
