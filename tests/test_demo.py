@@ -145,3 +145,13 @@ def test_the_demo_shows_the_problem_and_the_fix():
     assert abs(scaled["final_loss"] - f32["final_loss"]) < 0.1 * f32["final_loss"]
     assert scaled["final_scale"] > 2.0**24  # it had to grow to get there
     assert np.isfinite([r["final_loss"] for r in rows.values()]).all()
+
+
+def test_the_closing_line_names_the_run_it_measured(tmp_path, capsys):
+    # Without an f32 run the gradient comes from the first mode run, and the
+    # line says so (it used to print another mode's number as if it were f32's).
+    _run(tmp_path, "--steps", "5", "--modes", "f16,bf16")
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["gradient_reference_mode"] == "f16"
+    assert "At the end of the f16 run" in out

@@ -525,7 +525,9 @@ def run(
         final_params[mode] = params
 
     x_train, y_train = jnp.asarray(data[0]), jnp.asarray(data[1])
-    reference_params = final_params.get("f32", next(iter(final_params.values())))
+    # The float32 gradient at the end of the f32 run, or of the first mode run.
+    reference_mode = "f32" if "f32" in final_params else config.modes[0]
+    reference_params = final_params[reference_mode]
     grads = jax.grad(loss_fn)(reference_params, x_train, y_train, jnp.float32)
     magnitudes = np.concatenate([np.abs(np.ravel(g)) for g in jax.tree.leaves(grads)])
     jls_row = next((r for r in rows if r["mode"] == "f16-jls"), None)
@@ -542,14 +544,16 @@ def run(
         "gradient_entries_below_float16_min_subnormal": float(
             np.mean(magnitudes[magnitudes > 0] < F16_TINY / 2)
         ),
+        "gradient_reference_mode": reference_mode,
         "devices": [str(d) for d in jax.devices()],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_table(rows))
     below = 100 * summary["gradient_entries_below_float16_min_subnormal"]
     print(
-        f"\nAt the end, {below:.1f}% of the nonzero float32 gradient entries lie below "
-        "half of float16's\nsmallest subnormal: unscaled, float16 rounds them to 0."
+        f"\nAt the end of the {reference_mode} run, {below:.1f}% of the nonzero "
+        "float32 gradient entries\nlie below half of float16's smallest subnormal: "
+        "unscaled, float16 rounds them to 0."
     )
     print(f"wrote {out / 'demo.png'} and {out / 'summary.json'}")
     return rows
