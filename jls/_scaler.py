@@ -36,6 +36,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -479,21 +480,9 @@ def dynamic_scale(
     )
 
 
+# dynamic_scale's defaults, read from its signature so they are written once.
 _DYNAMIC_DEFAULTS: dict[str, Any] = {
-    "init_scale": 2.0**15,
-    "growth_factor": 2.0,
-    "backoff_factor": None,
-    "growth_interval": 2000,
-    "first_growth_interval": None,
-    "init_growth_count": None,
-    "saturate_growth": False,
-    "backoff_divisor": None,
-    "backoff_interval": 1,
-    "hysteresis": 1,
-    "consecutive_hysteresis": False,
-    "min_scale": 1.0,
-    "max_scale": F32_MAX,
-    "skip_nonfinite": True,
+    name: p.default for name, p in inspect.signature(dynamic_scale).parameters.items()
 }
 
 
