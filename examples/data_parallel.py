@@ -46,7 +46,9 @@ def main(argv=None) -> dict:
     """Trains, checkpoints, restores, trains on; returns a summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="training steps")
-    parser.add_argument("--out", default=None, help="checkpoint folder")
+    parser.add_argument(
+        "--out", default=None, help="checkpoint folder (default: a temporary one)"
+    )
     args = parser.parse_args(argv)
 
     devices = jax.devices()
@@ -80,7 +82,9 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     centers = rng.normal(size=(4, 16))
     batch = 8 * len(devices)
-    out = args.out or tempfile.mkdtemp(prefix="jls-dp-")
+    # Without --out, the checkpoint goes to a temporary folder removed at exit.
+    scratch = tempfile.TemporaryDirectory(prefix="jls-dp-")
+    out = args.out or scratch.name
     ckpt = os.path.join(os.path.abspath(out), "ckpt")
     half = args.steps // 2
     print(f"{len(devices)} devices; batch {batch} sharded over 'data'")
@@ -110,6 +114,7 @@ def main(argv=None) -> dict:
                 f"skipped {bool(m['skipped'])!s:5}  total skips {int(m['total_skips'])}"
             )
     assert m is not None
+    scratch.cleanup()
     return {
         "devices": len(devices),
         "total_skips": int(m["total_skips"]),

@@ -89,6 +89,13 @@ def _where(applied: Any, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
+def _pure(tree: Any) -> Any:
+    """The arrays of an nnx state, as flax's own ``Optimizer.update`` takes them."""
+    if hasattr(nnx, "as_pure"):  # newer flax
+        return nnx.as_pure(tree)
+    return nnx.to_arrays(nnx.pure(tree))  # pyright: ignore[reportAttributeAccessIssue]
+
+
 class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` on jls's fused path; ``step`` counts applied steps.
 
@@ -116,11 +123,10 @@ class Optimizer(nnx.Optimizer):
         updates tree.
         """
         graph = {} if getattr(self, "graph", None) is None else {"graph": self.graph}
-        pure = getattr(nnx, "as_pure", lambda tree: tree)
-        params = pure(nnx.state(model, self.wrt, **graph))
-        grad_arrays = pure(nnx.state(grads, self.wrt, **graph))
+        params = _pure(nnx.state(model, self.wrt, **graph))
+        grad_arrays = _pure(nnx.state(grads, self.wrt, **graph))
         new_params, opt_state = jls.apply_gradients(
-            self.tx, grad_arrays, pure(self.opt_state), params, **pure(kwargs)
+            self.tx, grad_arrays, _pure(self.opt_state), params, **_pure(kwargs)
         )
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(opt_state, **graph))

@@ -74,7 +74,7 @@ def test_sharded_jit_decides_globally(replicas, layout):
         "scale": 128.0,
         "skipped": 1,
         "params_unchanged": True,
-        "w_sharding": "P()" if layout == "replicated" else "P(None, 'dp')",
+        "w_sharding": [] if layout == "replicated" else [None, "dp"],
     }
 
 

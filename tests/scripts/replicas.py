@@ -168,7 +168,7 @@ for layout in ("replicated", "sharded"):
                 jax.tree.leaves(before), jax.tree.leaves(params), strict=True
             )
         ),
-        "w_sharding": str(params["w"].sharding.spec),
+        "w_sharding": list(params["w"].sharding.spec),
     }
 
 # The check must not gather gradients onto one device.
