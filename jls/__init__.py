@@ -12,8 +12,15 @@ from jls._divergence import DivergenceError, raise_if_diverged
 from jls._finite import all_finite
 from jls._loss_scaling import LossScaling, apply_gradients, loss_scaling
 from jls._policy import Policy, get_policy
-from jls._scaler import LossScaler, dynamic_scale, no_scale, static_scale
+from jls._scaler import (
+    LossScaler,
+    dynamic_scale,
+    measured_scale,
+    no_scale,
+    static_scale,
+)
 from jls._scaling import scale_loss, unscale
+from jls._spikes import SpikeRule
 from jls._state import (
     LossScaleState,
     loss_scale_state,
@@ -32,6 +39,7 @@ __all__ = [
     "LossScaler",
     "LossScaling",
     "Policy",
+    "SpikeRule",
     "StepOutput",
     "all_finite",
     "apply_gradients",
@@ -39,6 +47,7 @@ __all__ = [
     "get_policy",
     "loss_scale_state",
     "loss_scaling",
+    "measured_scale",
     "metrics",
     "no_scale",
     "nonfinite_paths",

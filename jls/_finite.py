@@ -46,7 +46,7 @@ finite.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +137,80 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack(flags))
 
 
+class Measured(NamedTuple):
+    """What the squares check reads off the scaled gradients in its one pass.
+
+    Attributes:
+      finite: scalar bool, whether every value is finite and the sum of
+        squares did not overflow (see `leaves_squares`).
+      magnitude: float32 scalar, the largest root-mean-square over the
+        check's reductions (one per large leaf, one per group of small
+        leaves): what the measured scaler keeps below the compute dtype's
+        maximum. 0 for a tree with nothing to check.
+      sum_squares: float32 scalar, the sum of the squares of every value.
+    """
+
+    finite: jax.Array
+    magnitude: jax.Array
+    sum_squares: jax.Array
+
+
+def _sum_squares(parts: list[jax.Array], dtype: Any) -> jax.Array:
+    """``sum(|x|**2)`` over ``parts``, accumulated in ``dtype``."""
+    squares = []
+    for x in parts:
+        if _is_complex(x):
+            re, im = jnp.real(x).astype(dtype), jnp.imag(x).astype(dtype)
+            squares.append((re * re + im * im).ravel())
+        else:
+            x = x.astype(dtype)
+            squares.append((x * x).ravel())
+    flat = squares[0] if len(squares) == 1 else jnp.concatenate(squares)
+    return jnp.sum(flat, dtype=dtype)
+
+
+def leaves_squares(leaves: list[jax.Array]) -> Measured:
+    """The finite check as a sum of squares, with the range and norm it gives.
+
+    One reduction per large leaf and one per compute dtype over the small
+    ones, as `leaves_finite`, each a sum of squares accumulated in float32
+    (float64 for float64 leaves). It has no false negatives for the reasons
+    the magnitude sum has none (a square is never negative, so nothing
+    cancels, and an element that rounds to inf, whatever the compiler fused
+    into it, squares to inf). Unlike the magnitude sum it is not shrunk (that
+    would flush small gradients' squares to zero and lose the norm), so a
+    reduction whose sum of squares exceeds the float32 maximum (values above
+    about ``1.8e19 / sqrt(size)``) counts as non-finite: such a step's
+    gradient norm is itself inf. Gradients that went through float16
+    (``|x| <= 65504``) never reach it.
+    """
+    sums: list[jax.Array] = []
+    sizes: list[int] = []
+    small: dict[Any, list[jax.Array]] = {}
+    for x in leaves:
+        wide = compute_dtype(jnp.real(x).dtype)
+        if x.size <= SMALL_LEAF and not _sharded_in_its_type(x):
+            small.setdefault(wide, []).append(x)
+        elif x.size:
+            sums.append(_sum_squares([x], wide))
+            sizes.append(x.size)
+    for wide, parts in small.items():
+        size = sum(p.size for p in parts)
+        if size:
+            sums.append(_sum_squares(parts, wide))
+            sizes.append(size)
+    f32 = jnp.float32
+    if not sums:
+        return Measured(jnp.asarray(True), f32(0), f32(0))
+    totals = jnp.stack([t.astype(f32) for t in sums])
+    total = jnp.sum(totals)
+    # Each reduction's own flag (a float64 one may overflow only when cast),
+    # and the total's, so that a finite step has a finite norm.
+    finite = jnp.all(jnp.stack([jnp.isfinite(t) for t in sums])) & jnp.isfinite(total)
+    means = totals / jnp.asarray(np.array(sizes, np.float32))
+    return Measured(finite, jnp.sqrt(jnp.max(means)), total)
+
+
 def all_finite(tree: Any) -> jax.Array:
     """Whether every floating (or complex) leaf of ``tree`` is finite.
 
@@ -197,6 +271,30 @@ def unscaled_finite(
         lambda xs: _exact(unscale_tree(xs, scale)),
         leaves,
     )
+
+
+def unscaled_measured(
+    grads: Any,
+    scale: jax.Array,
+    *,
+    scale_may_be_below_one: bool,
+) -> Measured:
+    """`unscaled_finite` as the squares check, with its range and norm.
+
+    The measurements are of the scaled gradients; below a scale of 1 the
+    finite flag is also the exact test of the unscaled values.
+    """
+    measured = leaves_squares(_inexact_leaves(grads))
+    if not scale_may_be_below_one:
+        return measured
+    leaves = _inexact_leaves(grads)
+    finite = lax.cond(
+        scale >= 1,
+        lambda xs: measured.finite,
+        lambda xs: measured.finite & _exact(unscale_tree(xs, scale)),
+        leaves,
+    )
+    return measured._replace(finite=finite)
 
 
 def nonfinite_leaf_flags(tree: Any, finite: jax.Array, scale: jax.Array) -> Any:

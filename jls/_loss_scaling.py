@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +49,33 @@ import optax
 from jax import lax
 from jax.extend import core as jax_core
 
-from jls._finite import nonfinite_leaf_flags, unscaled_finite
+from jls import _spikes
+from jls._finite import nonfinite_leaf_flags, unscaled_finite, unscaled_measured
 from jls._scaler import LossScaler, dynamic_scale
 from jls._scaling import Factors, reciprocals, unscale_leaf
 from jls._state import LossScaleState, WrapperState, check_state
 from jls._trees import merge, split_inexact
 from jls._validate import axis_names, flag, integer
 
-Decision = tuple[jax.Array, jax.Array]
+
+class Decision(NamedTuple):
+    """A step's decision (`LossScaling.decide`), agreed across replicas.
+
+    Attributes:
+      finite: the unscaled gradients are all finite and the scale is in range.
+      apply: the update is applied.
+      magnitude: float32, the gradients' measured range (the largest
+        root-mean-square over the check's reductions, scaled), when the check
+        measures (the measured scaler, the norm metric, the spike rule).
+      norm: float32, the global norm of the unscaled gradients, likewise.
+      spike: whether the spike rule vetoed the step (set by the step itself).
+    """
+
+    finite: jax.Array
+    apply: jax.Array
+    magnitude: jax.Array | None = None
+    norm: jax.Array | None = None
+    spike: jax.Array | None = None
 
 
 class _Transformation(Protocol):
@@ -206,6 +225,8 @@ class LossScaling:
         axis_name: str | tuple[str, ...] | None = None,
         diagnostics: bool = False,
         max_consecutive_skips: int | None = None,
+        gradient_norm: bool = False,
+        skip_spikes: _spikes.SpikeRule | None = None,
     ) -> None:
         if not (
             callable(getattr(inner, "init", None))
@@ -232,12 +253,28 @@ class LossScaling:
             if max_consecutive_skips is None
             else integer("max_consecutive_skips", max_consecutive_skips, 1)
         )
+        self.gradient_norm = flag("gradient_norm", gradient_norm)
+        if skip_spikes is not None and not isinstance(skip_spikes, _spikes.SpikeRule):
+            raise TypeError(
+                f"skip_spikes must be a jls.SpikeRule or None, got {skip_spikes!r:.200}"
+            )
+        self.skip_spikes = skip_spikes
+
+    @property
+    def measures(self) -> bool:
+        """Whether the check is the squares check, which measures range and norm."""
+        return (
+            self.scaler.margin is not None
+            or self.gradient_norm
+            or self.skip_spikes is not None
+        )
 
     def __repr__(self) -> str:
         return (
             f"LossScaling(inner={self.inner!r:.80}, scaler={self.scaler!r}, "
             f"axis_name={self.axis_name!r}, diagnostics={self.diagnostics!r}, "
-            f"max_consecutive_skips={self.max_consecutive_skips!r})"
+            f"max_consecutive_skips={self.max_consecutive_skips!r}, "
+            f"gradient_norm={self.gradient_norm!r}, skip_spikes={self.skip_spikes!r})"
         )
 
     @staticmethod
@@ -274,8 +311,10 @@ class LossScaling:
             flags = jax.tree.map(lambda _: jnp.asarray(np.bool_(False)), params)
         if self.max_consecutive_skips is not None:
             diverged = jnp.asarray(np.bool_(False))
+        norm = jnp.asarray(np.float32(0)) if self.gradient_norm else None
+        spikes = None if self.skip_spikes is None else _spikes.init()
         return WrapperState(
-            self.scaler.init(), self.inner.init(params), flags, diverged
+            self.scaler.init(), self.inner.init(params), flags, diverged, norm, spikes
         )
 
     def check_state(self, opt_state: Any) -> WrapperState:
@@ -299,11 +338,23 @@ class LossScaling:
                 "transformation's init (max_consecutive_skips="
                 f"{self.max_consecutive_skips})"
             )
+        if self.gradient_norm and opt_state.gradient_norm is None:
+            raise TypeError(
+                "opt_state has no gradient_norm: it was not made by this "
+                "transformation's init (gradient_norm=True)"
+            )
+        if self.skip_spikes is not None and not isinstance(
+            opt_state.spikes, _spikes.SpikeState
+        ):
+            raise TypeError(
+                "opt_state has no spike statistics: it was not made by this "
+                "transformation's init (skip_spikes=...)"
+            )
         loss_scale = check_state(opt_state.loss_scale, argname="opt_state.loss_scale")
         return opt_state._replace(loss_scale=loss_scale)
 
     def decide(self, grads: Any, loss_scale: LossScaleState) -> Decision:
-        """The step's decision: ``(finite, apply)``, two scalar bools.
+        """The step's `Decision`: ``finite`` and ``apply``, and the measurements.
 
         ``finite``: the unscaled gradients are all finite and the scale lies
         in the scaler's range (a scale set by hand outside it, or nan, counts
@@ -319,14 +370,19 @@ class LossScaling:
         """
         _check_gradient_dtypes(grads)
         scale = loss_scale.scale
-        finite = unscaled_finite(
-            grads,
-            scale,
-            scale_may_be_below_one=self.scaler.min_scale_f32 < 1,
-        )
+        below_one = self.scaler.min_scale_f32 < 1
+        magnitude = norm = None
+        if self.measures:
+            measured = unscaled_measured(grads, scale, scale_may_be_below_one=below_one)
+            finite = measured.finite
+            magnitude, sum_squares = self._agree_measured(measured)
+            norm = jnp.sqrt(sum_squares) / scale
+        else:
+            finite = unscaled_finite(grads, scale, scale_may_be_below_one=below_one)
         finite, valid = self._agree([finite, self.scaler.in_range(scale)], lax.pmin)
         finite = finite & valid
-        return finite, (finite if self.scaler.skip_nonfinite else valid)
+        apply = finite if self.scaler.skip_nonfinite else valid
+        return Decision(finite, apply, magnitude, norm)
 
     def update(
         self,
@@ -337,7 +393,8 @@ class LossScaling:
     ) -> tuple[optax.Updates, WrapperState]:
         """Optax's ``update``: takes the SCALED gradients (see `jls.loss_scaling`)."""
         state = self.check_state(state)
-        decision = self.decide(updates, state.loss_scale)
+        loss, extra_args = self._pop_loss(extra_args)
+        decision = self._veto(self.decide(updates, state.loss_scale), state, loss)
         factors = self._reciprocals(updates, state.loss_scale)
 
         def step(operands):
@@ -354,7 +411,7 @@ class LossScaling:
             decision, state.loss_scale, step, skip, operands
         )
         return new_updates, self._finish(
-            state, updates, decision, inner_state, loss_scale
+            state, updates, decision, inner_state, loss_scale, loss
         )
 
     def apply_gradients(
@@ -381,8 +438,10 @@ class LossScaling:
             ``value=`` for ``optax.contrib.reduce_on_plateau``).
         """
         state = self.check_state(opt_state)
+        loss, extra_args = self._pop_loss(extra_args)
         if decision is None:
             decision = self.decide(grads, state.loss_scale)
+        decision = self._veto(decision, state, loss)
         factors = self._reciprocals(grads, state.loss_scale)
         params, rest = split_inexact(params)  # a whole model: the rest passes by
 
@@ -402,7 +461,7 @@ class LossScaling:
         (params, inner_state), loss_scale = self._guarded(
             decision, state.loss_scale, step, skip, operands
         )
-        new_state = self._finish(state, grads, decision, inner_state, loss_scale)
+        new_state = self._finish(state, grads, decision, inner_state, loss_scale, loss)
         return merge(params, rest), new_state
 
     def _reciprocals(self, grads: Any, loss_scale: LossScaleState) -> Factors:
@@ -438,14 +497,17 @@ class LossScaling:
         scalar ops instead of reading the step's flags, which XLA would
         recompute in each fusion that reads them.
         """
-        finite, apply = decision
+        finite, apply = decision.finite, decision.apply
+        # With skip_nonfinite and no spike veto, finite == applied: a constant
+        # in each branch.
+        known = self.scaler.skip_nonfinite and self.skip_spikes is None
 
         def adjusted(taken: bool) -> LossScaleState:
-            known = self.scaler.skip_nonfinite  # then finite == applied
             return self.scaler.adjust(
                 loss_scale,
                 jnp.asarray(taken) if known else finite,
                 applied=jnp.asarray(taken),
+                magnitude=decision.magnitude,
             )
 
         traced, out = jax.make_jaxpr(step, return_shape=True)(operands)
@@ -468,9 +530,10 @@ class LossScaling:
         decision: Decision,
         inner_state: optax.OptState,
         loss_scale: LossScaleState,
+        loss: jax.Array | None,
     ) -> WrapperState:
-        """The state after a step: diagnostics, divergence."""
-        finite, _ = decision
+        """The state after a step: diagnostics, divergence, norm, spikes."""
+        finite = decision.finite
         flags = state.nonfinite_leaves
         if self.diagnostics:
             new = nonfinite_leaf_flags(grads, finite, state.loss_scale.scale)
@@ -488,7 +551,60 @@ class LossScaling:
         if self.max_consecutive_skips is not None:
             limit = jnp.int32(self.max_consecutive_skips)
             diverged = diverged | (loss_scale.consecutive_skips >= limit)
-        return WrapperState(loss_scale, inner_state, flags, diverged)
+        norm = decision.norm if self.gradient_norm else None
+        spikes = state.spikes
+        if self.skip_spikes is not None:
+            spikes = _spikes.advance(
+                self.skip_spikes,
+                spikes,
+                applied=decision.apply,
+                spike=self._spike(decision),
+                norm=decision.norm,
+                loss=loss,
+            )
+        return WrapperState(loss_scale, inner_state, flags, diverged, norm, spikes)
+
+    def _pop_loss(self, extra_args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The spike rule's ``loss=``, taken out of the inner optimizer's args."""
+        if self.skip_spikes is None or not self.skip_spikes.watches_loss:
+            return None, extra_args
+        rest = dict(extra_args)
+        loss = _spikes.check_loss(self.skip_spikes, rest.pop("loss", None))
+        return loss, rest
+
+    def _veto(self, decision: Decision, state: WrapperState, loss: Any) -> Decision:
+        """The decision with the spike rule's veto: a spike is not applied."""
+        if self.skip_spikes is None:
+            return decision
+        spike = _spikes.is_spike(self.skip_spikes, state.spikes, decision.norm, loss)
+        spike = decision.apply & spike
+        # Carried in the decision, so _finish records what was vetoed.
+        return decision._replace(apply=decision.apply & ~spike, spike=spike)
+
+    @staticmethod
+    def _spike(decision: Decision) -> jax.Array:
+        return jnp.asarray(False) if decision.spike is None else decision.spike
+
+    def _agree_measured(self, measured: Any) -> tuple[jax.Array, jax.Array]:
+        """The magnitude (max) and sum of squares agreed across replicas.
+
+        The sum of squares is summed over the ``shard_map`` axes the
+        gradients vary over but the user did not name (model-parallel shards
+        of one gradient), then, like the magnitude, maximised over every
+        axis, so all replicas agree.
+        """
+        magnitude, total = measured.magnitude, measured.sum_squares
+        named = self.axis_name
+        shards = tuple(sorted(_varying_axes(total) - set(named)))
+        if shards:
+            total = lax.psum(total, shards)
+        axes = named + tuple(sorted(_varying_axes(magnitude) - set(named)))
+        if axes:
+            magnitude = lax.pmax(magnitude, axes)
+        axes = named + tuple(sorted(_varying_axes(total) - set(named)))
+        if axes:
+            total = lax.pmax(total, axes)
+        return magnitude, total
 
     def _agree(self, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
         """Scalar bool ``flags`` reduced across replicas, in one collective.
@@ -515,6 +631,8 @@ def loss_scaling(
     axis_name: str | tuple[str, ...] | None = None,
     diagnostics: bool = False,
     max_consecutive_skips: int | None = None,
+    gradient_norm: bool = False,
+    skip_spikes: _spikes.SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer with loss scaling.
 
@@ -557,6 +675,15 @@ def loss_scaling(
         `jls.raise_if_diverged` raises `jls.DivergenceError` from it (on the
         host, or inside ``jit`` under ``checkify``). ``None`` (default): no
         limit.
+      gradient_norm: record the global norm of each step's unscaled
+        gradients (``jls.metrics(...)["gradient_norm"]``), from the finite
+        check's own pass: the check becomes a sum of squares, which also
+        yields the norm (no second read of the gradients, unlike
+        ``optax.global_norm``). A step whose sum of squares overflows
+        float32 (norm above about 1.8e19) then counts as non-finite.
+      skip_spikes: a `jls.SpikeRule`: also skip a step whose gradient norm
+        (or loss, given as ``loss=``) is an outlier against its running
+        statistics. Composes with every scaler, ``no_scale()`` included.
 
     Returns:
       ``LossScaling(...).gradient_transformation()``: an
@@ -587,6 +714,8 @@ def loss_scaling(
         axis_name=axis_name,
         diagnostics=diagnostics,
         max_consecutive_skips=max_consecutive_skips,
+        gradient_norm=gradient_norm,
+        skip_spikes=skip_spikes,
     ).gradient_transformation()
 
 

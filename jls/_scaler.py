@@ -50,6 +50,8 @@ from jls._validate import F32_MAX, factor, flag, integer, positive_f32, real, to
 
 Namer = Callable[[str], str]
 
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
 
 def _own(field: str) -> str:
     return field
@@ -119,6 +121,20 @@ def _config(fields: dict[str, Any], name: Namer) -> dict[str, Any]:
             f"{name('min_scale')} must be <= {name('max_scale')}, got {low!r} and "
             f"{high!r}"
         )
+    margin = fields["margin"]
+    if margin is not None:
+        margin = real(name("margin"), margin)
+        if not 1 <= margin <= F32_MAX:
+            raise ValueError(
+                f"{name('margin')} must be in [1, {F32_MAX!r}], got {margin!r}"
+            )
+        if out["backoff_interval"] != 1 or out["hysteresis"] != 1:
+            raise ValueError(
+                "the measured rule backs off on every non-finite step: "
+                f"{name('backoff_interval')} and {name('hysteresis')} must be 1"
+            )
+    out["margin"] = margin
+    out["compute_max"] = positive_f32(name("compute_max"), fields["compute_max"])
     if not low <= out["init_scale"] <= high:
         raise ValueError(
             f"{name('init_scale')} must be in [{name('min_scale')}, "
@@ -154,6 +170,11 @@ class LossScaler:
       min_scale: the scale never backs off below this.
       max_scale: the scale never grows above this.
       skip_nonfinite: whether a step with non-finite gradients is dropped.
+      margin: ``None`` for the dynamic rule; for the measured rule
+        (`measured_scale`), the headroom kept between the scaled gradients'
+        largest root-mean-square and ``compute_max``.
+      compute_max: the compute dtype's largest finite value (the measured
+        rule's target; unused by the dynamic rule).
 
     Example:
       >>> import jls
@@ -183,6 +204,8 @@ class LossScaler:
     min_scale: float
     max_scale: float
     skip_nonfinite: bool
+    margin: float | None
+    compute_max: float
 
     def __post_init__(self) -> None:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -251,6 +274,7 @@ class LossScaler:
         grads_finite: ArrayLike,
         *,
         applied: ArrayLike | None = None,
+        magnitude: ArrayLike | None = None,
     ) -> LossScaleState:
         """Advances the state machine by one step.
 
@@ -266,6 +290,11 @@ class LossScaler:
             ``skip_nonfinite=False`` when the scale is in range).
             `loss_scaling` passes the decision it took, reduced across
             replicas, so the counters say what happened.
+          magnitude: a float32 scalar, the measurement the measured rule
+            follows: the largest root-mean-square of the step's scaled
+            gradients over the check's reductions (`jls.loss_scaling` passes
+            it). Ignored by the dynamic rule; without it the measured rule
+            holds the scale on a finite step.
 
         Returns:
           The next `LossScaleState`.
@@ -358,7 +387,12 @@ class LossScaler:
             backed = scale * f32(self.backoff_factor)
         backed = jnp.maximum(backed, f32(self.min_scale))
 
-        if self.is_dynamic:
+        headroom = state.headroom
+        if self.margin is not None:
+            scale, headroom, growth_count = self._measured(
+                state, finite, backed, magnitude
+            )
+        elif self.is_dynamic:
             scale = jnp.where(grow, grown, jnp.where(backoff, backed, scale))
         # Whatever the state held (a scale set by hand, nan), the next scale is
         # in [min_scale, max_scale]; nan goes to min_scale.
@@ -375,7 +409,57 @@ class LossScaler:
             ),
             # Derived from the input, so a donated buffer is reused, not dropped.
             retries=state.retries * i32(0),
+            headroom=headroom,
         )
+
+    def _measured(
+        self,
+        state: LossScaleState,
+        finite: jax.Array,
+        backed: jax.Array,
+        magnitude: ArrayLike | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The measured rule: ``(scale, headroom, growth_count)`` (`measured_scale`)."""
+        f32, i32 = jnp.float32, jnp.int32
+        scale = state.scale
+        # A headroom from a checkpoint or a user's hand that is nan or below 1
+        # is read as 1.
+        headroom = jnp.where(state.headroom >= 1, state.headroom, f32(1))
+        # The first overflow of a run of them doubles the headroom (the margin
+        # did not cover this model's activation gradients); every `history`
+        # finite steps since halve it again, down to 1.
+        first = ~finite & (state.consecutive_nonfinite == 0)
+        count = state.growth_count + i32(1)
+        relax = finite & (count >= i32(self.growth_interval))
+        headroom = jnp.where(
+            first,
+            jnp.minimum(headroom / f32(self.backoff_factor), f32(F32_MAX)),
+            jnp.where(
+                relax, jnp.maximum(headroom / f32(self.growth_factor), 1), headroom
+            ),
+        )
+        growth_count = jnp.where(finite & ~relax, count, i32(0))
+        if magnitude is None:
+            return jnp.where(finite, scale, backed), headroom, growth_count
+        m = jnp.asarray(magnitude)
+        if m.dtype != jnp.float32 or m.shape != ():
+            raise TypeError(
+                f"magnitude must be a float32 scalar, got dtype {m.dtype} and "
+                f"shape {m.shape}"
+            )
+        assert self.margin is not None
+        # The largest power of two that keeps the measured magnitude, at that
+        # scale, margin * headroom below compute_max (inf for all-zero
+        # gradients: the growth bound and max_scale bound it).
+        wanted = scale * (f32(self.compute_max / self.margin) / m) / headroom
+        _, exponent = jnp.frexp(wanted)
+        target = jnp.where(
+            jnp.isfinite(wanted) & (wanted > 0),
+            jnp.ldexp(f32(1), exponent - 1),
+            jnp.where(wanted > 0, f32(self.max_scale_f32), f32(0)),
+        )
+        grown = jnp.minimum(target, scale * f32(self.growth_factor))
+        return jnp.where(finite, grown, backed), headroom, growth_count
 
 
 def _count_if(cond: jax.Array, count: jax.Array, otherwise: jax.Array) -> jax.Array:
@@ -480,6 +564,109 @@ def dynamic_scale(
     )
 
 
+def measured_scale(
+    margin: float = 2.0**8,
+    *,
+    history: int = 1000,
+    dtype: Any = jnp.float16,
+    init_scale: float = 2.0**15,
+    max_growth: float = 2.0,
+    backoff_factor: float = 0.5,
+    min_scale: float = 1.0,
+    max_scale: float = F32_MAX,
+    skip_nonfinite: bool = True,
+) -> LossScaler:
+    """A scale chosen from the gradients' measured range: no interval to tune.
+
+    The dynamic rule finds its scale by overflowing: it grows blindly every
+    ``growth_interval`` steps and learns it went too far by losing a step.
+    This rule reads the scale off the gradients instead. The finite check
+    reads every gradient once anyway; with this scaler it is a sum of
+    squares (`jls.loss_scaling` switches it), which also gives each of its
+    reductions' root-mean-square, at no extra memory traffic. After a finite
+    step the next scale is the largest power of two at which the largest of
+    those root-mean-squares stays ``margin * headroom`` below ``dtype``'s
+    maximum, and at most ``max_growth`` times the current scale. So the
+    scale follows the gradients down at once, without a skipped step, and
+    up by at most ``max_growth`` per step.
+
+    The gradients jls sees are the parameters'; an overflow in the backward
+    pass happens in activation gradients, whose range the margin must cover.
+    So the dynamic rule's fallback stays: a non-finite step is skipped (by
+    default) and the scale backs off by ``backoff_factor``. The first
+    overflow of a run of them also doubles the state's ``headroom`` (the
+    margin did not cover this model); every ``history`` finite steps since
+    halve it again, down to 1. A model whose activation gradients need more
+    than ``margin`` thus loses about one step per ``history`` steps.
+
+    Scales are powers of two (exact unscaling) when ``init_scale``,
+    ``min_scale`` and ``max_growth`` are. The state is the usual
+    `jls.LossScaleState` (``headroom`` is its field), so one trace serves
+    every step, and every guarantee of the other scalers holds; the one
+    difference is the squares check's: a step whose sum of squares
+    overflows float32 (gradients above about ``1.8e19 / sqrt(size)``; never
+    for gradients that went through float16) counts as non-finite.
+
+    Args:
+      margin: the headroom, ``>= 1``, between the scaled gradients' largest
+        root-mean-square and ``dtype``'s maximum. The default, 2**8, was
+        chosen from ``benchmarks/bench_scalers.py``'s evidence (see the
+        README's table): the only margin tried that skipped no step after
+        warm-up on the demo, the LM and the stress case (its sudden jump
+        aside) with underflow below the tuned dynamic rule's on all three.
+      history: finite steps after which the headroom an overflow added is
+        halved again.
+      dtype: the compute dtype whose maximum the scaled gradients are kept
+        below (float16; an fp8 type for fp8 gradients).
+      init_scale: the first step's scale.
+      max_growth: the most the scale grows in one step, ``>= 1``.
+      backoff_factor: multiplies the scale on a non-finite step; in (0, 1].
+      min_scale: the floor.
+      max_scale: the cap.
+      skip_nonfinite: drop a step whose gradients are not finite (default).
+
+    Returns:
+      A `LossScaler`.
+
+    Raises:
+      TypeError: if an argument has the wrong type (the message names it).
+      ValueError: if an argument is out of range (the message names it).
+
+    Example:
+      >>> import jax.numpy as jnp, jls
+      >>> scaler = jls.measured_scale(margin=2.0**10, init_scale=2.0**15)
+      >>> state = scaler.init()
+      >>> # The scaled gradients' largest RMS is 2**-3 at 2**15: the target
+      >>> # (2**24) is far above, but the scale grows at most 2x per step.
+      >>> state = scaler.adjust(state, True, magnitude=jnp.float32(2.0**-3))
+      >>> float(state.scale) == 2.0**16
+      True
+      >>> state = scaler.adjust(state, False)  # an overflow: back off
+      >>> float(state.scale) == 2.0**15, float(state.headroom)
+      (True, 2.0)
+    """
+    if not isinstance(dtype, type) and not hasattr(dtype, "dtype"):
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError as e:
+            raise TypeError(f"dtype must be a floating dtype, got {dtype!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
+    names = {"growth_factor": "max_growth", "growth_interval": "history"}
+    return make_dynamic(
+        lambda field: names.get(field, field),
+        init_scale=init_scale,
+        growth_factor=max_growth,
+        backoff_factor=backoff_factor,
+        growth_interval=history,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        skip_nonfinite=skip_nonfinite,
+        margin=margin,
+        compute_max=float(jnp.finfo(dtype).max),
+    )
+
+
 # dynamic_scale's defaults, read from its signature so they are written once.
 _DYNAMIC_DEFAULTS: dict[str, Any] = {
     name: p.default for name, p in inspect.signature(dynamic_scale).parameters.items()
@@ -492,10 +679,11 @@ def make_dynamic(name: Namer, **fields: Any) -> LossScaler:
     For presets, which take other frameworks' argument names. Fields not
     given take `dynamic_scale`'s defaults.
     """
-    unknown = set(fields) - set(_DYNAMIC_DEFAULTS)
+    defaults = {**_DYNAMIC_DEFAULTS, "margin": None, "compute_max": F16_MAX}
+    unknown = set(fields) - set(defaults)
     if unknown:
         raise TypeError(f"unknown scaler fields: {sorted(unknown)}")
-    return LossScaler(**_config({**_DYNAMIC_DEFAULTS, **fields}, name))
+    return LossScaler(**_config({**defaults, **fields}, name))
 
 
 def make_static(name: Namer, value: Any, skip_nonfinite: Any = True) -> LossScaler:

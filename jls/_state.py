@@ -45,6 +45,9 @@ class LossScaleState(NamedTuple):
         recomputed at a lower scale (``jls.train_step(..., max_retries=n)``);
         0 after any other step. Retries are not steps: they are not counted
         in the other counters.
+      headroom: float32 scalar, the measured rule's extra headroom, a power
+        of two >= 1 learned from overflows (`jls.measured_scale`); 1, and
+        unused, for every other rule.
 
     Example:
       >>> import jls
@@ -63,6 +66,7 @@ class LossScaleState(NamedTuple):
     total_skips: jax.Array
     consecutive_nonfinite: jax.Array
     retries: jax.Array
+    headroom: jax.Array
 
 
 _FIELD_DTYPES = {
@@ -73,6 +77,7 @@ _FIELD_DTYPES = {
     "total_skips": np.dtype(np.int32),
     "consecutive_nonfinite": np.dtype(np.int32),
     "retries": np.dtype(np.int32),
+    "headroom": np.dtype(np.float32),
 }
 
 
@@ -84,6 +89,7 @@ def make_state(
     total_skips: int = 0,
     consecutive_nonfinite: int = 0,
     retries: int = 0,
+    headroom: float = 1.0,
 ) -> LossScaleState:
     """Builds a `LossScaleState` of committed (not weakly typed) arrays.
 
@@ -97,6 +103,7 @@ def make_state(
         total_skips=jnp.asarray(np.int32(total_skips)),
         consecutive_nonfinite=jnp.asarray(np.int32(consecutive_nonfinite)),
         retries=jnp.asarray(np.int32(retries)),
+        headroom=jnp.asarray(np.float32(headroom)),
     )
 
 
@@ -164,12 +171,19 @@ class WrapperState(NamedTuple):
         ``True`` on the step that makes ``n`` skipped steps in a row and stays
         ``True`` (so a breach inside a ``lax.scan`` is not lost). ``None``
         otherwise.
+      gradient_norm: with ``gradient_norm=True``, a float32 scalar: the
+        global norm of the latest step's unscaled gradients (inf or nan after
+        a non-finite step). ``None`` otherwise.
+      spikes: with ``skip_spikes=jls.SpikeRule(...)``, the rule's
+        statistics. ``None`` otherwise.
     """
 
     loss_scale: LossScaleState
     inner_state: Any
     nonfinite_leaves: Any = None
     diverged: Any = None
+    gradient_norm: Any = None
+    spikes: Any = None
 
 
 def find(opt_state: Any, kind: type) -> list[Any]:
@@ -405,6 +419,13 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         gradients on finite steps).
       * ``diverged``: with ``loss_scaling(..., max_consecutive_skips=n)``,
         whether the run has reached the limit.
+      * ``gradient_norm``: with ``loss_scaling(..., gradient_norm=True)``,
+        the global norm of the latest step's unscaled gradients, from the
+        finite check's own pass (float32).
+      * ``spike``, ``total_spikes``: with ``loss_scaling(...,
+        skip_spikes=jls.SpikeRule(...))``, whether the latest step was
+        skipped as a spike, and how many were so far (they count in
+        ``total_skips`` too).
 
     Example:
       >>> import jls
@@ -429,6 +450,11 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
             out["nonfinite_leaves"] = wrappers[0].nonfinite_leaves
         if wrappers[0].diverged is not None:
             out["diverged"] = wrappers[0].diverged
+        if wrappers[0].gradient_norm is not None:
+            out["gradient_norm"] = wrappers[0].gradient_norm
+        if wrappers[0].spikes is not None:
+            out["spike"] = wrappers[0].spikes.spike
+            out["total_spikes"] = wrappers[0].spikes.total_spikes
     return out
 
 

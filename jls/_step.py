@@ -239,7 +239,8 @@ def train_step(
                 return (loss_scale, *attempt(loss_scale), retries + 1)
 
             def worth_another(carry):
-                loss_scale, _, _, _, (finite, _), retries = carry
+                loss_scale, _, _, _, decision, retries = carry
+                finite = decision.finite
                 # A retry needs a valid scale (an out-of-range state is
                 # dropped, not retried) that the rule would lower.
                 lower = backed_off(loss_scale).scale < loss_scale.scale
@@ -253,10 +254,14 @@ def train_step(
             )
             loss_scale, grads, loss, aux, decision, retries = carry
         state = state._replace(loss_scale=loss_scale)
-        params, new_state = scaling.apply_gradients(grads, state, params, decision)
+        spikes = scaling.skip_spikes
+        extra = {"loss": loss} if spikes is not None and spikes.watches_loss else {}
+        params, new_state = scaling.apply_gradients(
+            grads, state, params, decision, **extra
+        )
         new_loss_scale = new_state.loss_scale._replace(retries=retries)
         new_state = new_state._replace(loss_scale=new_loss_scale)
-        finite, apply = decision
+        finite, apply = decision.finite, new_state.loss_scale.consecutive_skips == 0
         out = StepOutput(
             loss=loss,
             aux=aux,

@@ -64,13 +64,19 @@ class TrainState(train_state.TrainState):
         params = self.params["params"] if fp8 else self.params
         trainable = grads["params"] if fp8 else grads
         # The decision reads every value, the fp8 ones too (as Keras's
-        # check does); only the trainable gradients are unscaled and stepped.
+        # check does); only the trainable gradients are unscaled, stepped and
+        # measured (fp8 scales and amax values do not scale with the loss).
         loss_scale = scaling.check_state(self.opt_state).loss_scale
-        decision = scaling.decide(grads, loss_scale)
+        decision = scaling.decide(trainable, loss_scale)
+        if fp8:
+            ok = jls.all_finite(grads[OVERWRITE_WITH_GRADIENT])
+            finite = decision.finite & ok
+            apply = finite if scaling.scaler.skip_nonfinite else decision.apply
+            decision = decision._replace(finite=finite, apply=apply)
         new_params, opt_state = scaling.apply_gradients(
             trainable, self.opt_state, params, decision
         )
-        applied = decision[1]
+        applied = ~jls.metrics(opt_state)["skipped"]
         if fp8:
             old = self.params[OVERWRITE_WITH_GRADIENT]
             new = grads[OVERWRITE_WITH_GRADIENT]

@@ -242,7 +242,9 @@ def test_state_dtypes_and_no_weak_types():
     assert isinstance(state, jls.LossScaleState)
     chex.assert_trees_all_equal_dtypes(
         state,
-        jls.LossScaleState(jnp.float32(0), *(jnp.int32(0) for _ in range(6))),
+        jls.LossScaleState(
+            jnp.float32(0), *[jnp.int32(0)] * 6, headroom=jnp.float32(1)
+        ),
     )
     for leaf in state:
         assert leaf.shape == () and not leaf.weak_type
@@ -254,7 +256,7 @@ def test_state_dtypes_and_no_weak_types():
 def test_state_survives_flatten_unflatten_and_jit():
     state = jls.dynamic_scale(2.0**10).init()._replace(growth_count=jnp.int32(7))
     leaves, treedef = jax.tree.flatten(state)
-    assert len(leaves) == 7
+    assert len(leaves) == 8
     again = jax.tree.unflatten(treedef, leaves)
     chex.assert_trees_all_equal(again, state, strict=True)
     chex.assert_trees_all_equal(jax.jit(lambda s: s)(state), state, strict=True)

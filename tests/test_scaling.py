@@ -153,12 +153,14 @@ def test_public_names():
         "LossScaler",
         "LossScaling",
         "Policy",
+        "SpikeRule",
         "StepOutput",
         "all_finite",
         "apply_gradients",
         "dynamic_scale",
         "get_policy",
         "loss_scale_state",
+        "measured_scale",
         "loss_scaling",
         "metrics",
         "no_scale",
@@ -183,6 +185,7 @@ def test_public_names():
             "total_skips",
             "consecutive_nonfinite",
             "retries",
+            "headroom",
         )
     )
 
