@@ -46,6 +46,7 @@ finite.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -86,6 +87,18 @@ def _sharded_in_its_type(x: jax.Array) -> bool:
     """
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     return any(axis is not None for axis in (spec or ()))
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The ``shard_map`` axes ``x``'s value varies over (empty outside one).
+
+    ``jax.typeof(x).vma`` up to jax 0.9, ``.manual_axis_type.varying`` after.
+    """
+    aval = jax.typeof(x)
+    varying = getattr(aval, "vma", None)
+    if varying is None:
+        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(varying or ())
 
 
 def _is_complex(x: jax.Array) -> bool:
@@ -169,7 +182,7 @@ def _sum_squares(parts: list[jax.Array], dtype: Any) -> jax.Array:
     return jnp.sum(flat, dtype=dtype)
 
 
-def leaves_squares(leaves: list[jax.Array]) -> Measured:
+def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
     One reduction per large leaf and one per compute dtype over the small
@@ -185,30 +198,38 @@ def leaves_squares(leaves: list[jax.Array]) -> Measured:
     (``|x| <= 65504``) never reach it.
     """
     sums: list[jax.Array] = []
-    sizes: list[int] = []
+    sizes: list[jax.Array] = []
     small: dict[Any, list[jax.Array]] = {}
+
+    def add(parts: list[jax.Array], wide: Any, shards: frozenset[str]) -> None:
+        total, size = _sum_squares(parts, wide), sum(p.size for p in parts)
+        axes = tuple(sorted(shards))
+        if axes:  # one gradient in shards: the whole one's sum and size
+            total, size = lax.psum(total, axes), size * lax.psum(1, axes)
+        sums.append(total)
+        sizes.append(jnp.asarray(size, jnp.float32))
+
     for x in leaves:
         wide = compute_dtype(jnp.real(x).dtype)
+        shards = varying_axes(x) - set(named)
         if x.size <= SMALL_LEAF and not _sharded_in_its_type(x):
-            small.setdefault(wide, []).append(x)
+            small.setdefault((wide, shards), []).append(x)
         elif x.size:
-            sums.append(_sum_squares([x], wide))
-            sizes.append(x.size)
-    for wide, parts in small.items():
-        size = sum(p.size for p in parts)
-        if size:
-            sums.append(_sum_squares(parts, wide))
-            sizes.append(size)
+            add([x], wide, shards)
+    for (wide, shards), parts in small.items():
+        if sum(p.size for p in parts):
+            add(parts, wide, shards)
     f32 = jnp.float32
     if not sums:
         return Measured(jnp.asarray(True), f32(0), f32(0))
-    totals = jnp.stack([t.astype(f32) for t in sums])
-    total = jnp.sum(totals)
+    totals = [t.astype(f32) for t in sums]
+    total = functools.reduce(jnp.add, totals)
     # Each reduction's own flag (a float64 one may overflow only when cast),
     # and the total's, so that a finite step has a finite norm.
-    finite = jnp.all(jnp.stack([jnp.isfinite(t) for t in sums])) & jnp.isfinite(total)
-    means = totals / jnp.asarray(np.array(sizes, np.float32))
-    return Measured(finite, jnp.sqrt(jnp.max(means)), total)
+    finite = functools.reduce(jnp.logical_and, [jnp.isfinite(t) for t in sums])
+    finite = finite & jnp.isfinite(total)
+    means = [t / n for t, n in zip(totals, sizes, strict=True)]
+    return Measured(finite, jnp.sqrt(functools.reduce(jnp.maximum, means)), total)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -278,13 +299,14 @@ def unscaled_measured(
     scale: jax.Array,
     *,
     scale_may_be_below_one: bool,
+    named: tuple[str, ...] = (),
 ) -> Measured:
     """`unscaled_finite` as the squares check, with its range and norm.
 
     The measurements are of the scaled gradients; below a scale of 1 the
     finite flag is also the exact test of the unscaled values.
     """
-    measured = leaves_squares(_inexact_leaves(grads))
+    measured = leaves_squares(_inexact_leaves(grads), named)
     if not scale_may_be_below_one:
         return measured
     leaves = _inexact_leaves(grads)

@@ -50,7 +50,12 @@ from jax import lax
 from jax.extend import core as jax_core
 
 from jls import _spikes
-from jls._finite import nonfinite_leaf_flags, unscaled_finite, unscaled_measured
+from jls._finite import (
+    nonfinite_leaf_flags,
+    unscaled_finite,
+    unscaled_measured,
+    varying_axes,
+)
 from jls._scaler import LossScaler, dynamic_scale
 from jls._scaling import Factors, reciprocals, unscale_leaf
 from jls._state import LossScaleState, WrapperState, check_state
@@ -105,18 +110,6 @@ def _with_extra_args(inner: _Transformation) -> optax.GradientTransformationExtr
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return optax.GradientTransformationExtraArgs(inner.init, inner.update)
     return optax.with_extra_args_support(cast(optax.GradientTransformation, inner))
-
-
-def _varying_axes(x: jax.Array) -> frozenset[str]:
-    """The ``shard_map`` axes ``x``'s value varies over (empty outside one).
-
-    ``jax.typeof(x).vma`` up to jax 0.9, ``.manual_axis_type.varying`` after.
-    """
-    aval = jax.typeof(x)
-    varying = getattr(aval, "vma", None)
-    if varying is None:
-        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(varying or ())
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -373,7 +366,9 @@ class LossScaling:
         below_one = self.scaler.min_scale_f32 < 1
         magnitude = norm = None
         if self.measures:
-            measured = unscaled_measured(grads, scale, scale_may_be_below_one=below_one)
+            measured = unscaled_measured(
+                grads, scale, scale_may_be_below_one=below_one, named=self.axis_name
+            )
             finite = measured.finite
             magnitude, sum_squares = self._agree_measured(measured)
             norm = jnp.sqrt(sum_squares) / scale
@@ -577,34 +572,14 @@ class LossScaling:
         if self.skip_spikes is None:
             return decision
         spike = _spikes.is_spike(self.skip_spikes, state.spikes, decision.norm, loss)
-        spike = decision.apply & spike
+        # A spike on any replica is one on all (each may watch its own loss).
+        spike = decision.apply & self._agree([spike], lax.pmax)[0]
         # Carried in the decision, so _finish records what was vetoed.
         return decision._replace(apply=decision.apply & ~spike, spike=spike)
 
     @staticmethod
     def _spike(decision: Decision) -> jax.Array:
         return jnp.asarray(False) if decision.spike is None else decision.spike
-
-    def _agree_measured(self, measured: Any) -> tuple[jax.Array, jax.Array]:
-        """The magnitude (max) and sum of squares agreed across replicas.
-
-        The sum of squares is summed over the ``shard_map`` axes the
-        gradients vary over but the user did not name (model-parallel shards
-        of one gradient), then, like the magnitude, maximised over every
-        axis, so all replicas agree.
-        """
-        magnitude, total = measured.magnitude, measured.sum_squares
-        named = self.axis_name
-        shards = tuple(sorted(_varying_axes(total) - set(named)))
-        if shards:
-            total = lax.psum(total, shards)
-        axes = named + tuple(sorted(_varying_axes(magnitude) - set(named)))
-        if axes:
-            magnitude = lax.pmax(magnitude, axes)
-        axes = named + tuple(sorted(_varying_axes(total) - set(named)))
-        if axes:
-            total = lax.pmax(total, axes)
-        return magnitude, total
 
     def _agree(self, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
         """Scalar bool ``flags`` reduced across replicas, in one collective.
@@ -617,11 +592,25 @@ class LossScaling:
         """
         stacked = jnp.stack([f.astype(jnp.int32) for f in flags])
         named = self.axis_name
-        axes = named + tuple(sorted(_varying_axes(stacked) - set(named)))
+        axes = named + tuple(sorted(varying_axes(stacked) - set(named)))
         if not axes:
             return flags
         agreed = reduce(stacked, axes) > 0
         return [agreed[i] for i in range(len(flags))]
+
+    def _agree_measured(self, measured: Any) -> tuple[jax.Array, jax.Array]:
+        """The magnitude and sum of squares, maximised across replicas.
+
+        Model-parallel shards of one gradient were summed in the check
+        (`jls._finite.leaves_squares`); what still varies is over
+        ``axis_name`` and any other axis: every replica takes the largest.
+        """
+        out = []
+        for value in (measured.magnitude, measured.sum_squares):
+            named = self.axis_name
+            axes = named + tuple(sorted(varying_axes(value) - set(named)))
+            out.append(lax.pmax(value, axes) if axes else value)
+        return out[0], out[1]
 
 
 def loss_scaling(

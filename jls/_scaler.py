@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
@@ -390,7 +392,7 @@ class LossScaler:
         headroom = state.headroom
         if self.margin is not None:
             scale, headroom, growth_count = self._measured(
-                state, finite, backed, magnitude
+                state, finite, dropped, backed, magnitude
             )
         elif self.is_dynamic:
             scale = jnp.where(grow, grown, jnp.where(backoff, backed, scale))
@@ -416,15 +418,21 @@ class LossScaler:
         self,
         state: LossScaleState,
         finite: jax.Array,
+        dropped: jax.Array,
         backed: jax.Array,
         magnitude: ArrayLike | None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The measured rule: ``(scale, headroom, growth_count)`` (`measured_scale`)."""
         f32, i32 = jnp.float32, jnp.int32
         scale = state.scale
-        # A headroom from a checkpoint or a user's hand that is nan or below 1
-        # is read as 1.
-        headroom = jnp.where(state.headroom >= 1, state.headroom, f32(1))
+        # The largest power of two the scale may reach, so that it stays one.
+        cap = f32(_pow2_floor(self.max_scale_f32))
+        # A headroom from a checkpoint or a user's hand that is nan, inf or
+        # below 1 is read as 1.
+        headroom = state.headroom
+        headroom = jnp.where(
+            (headroom >= 1) & (headroom <= f32(_HEADROOM_MAX)), headroom, f32(1)
+        )
         # The first overflow of a run of them doubles the headroom (the margin
         # did not cover this model's activation gradients); every `history`
         # finite steps since halve it again, down to 1.
@@ -433,12 +441,15 @@ class LossScaler:
         relax = finite & (count >= i32(self.growth_interval))
         headroom = jnp.where(
             first,
-            jnp.minimum(headroom / f32(self.backoff_factor), f32(F32_MAX)),
+            jnp.minimum(headroom / f32(self.backoff_factor), f32(_HEADROOM_MAX)),
             jnp.where(
                 relax, jnp.maximum(headroom / f32(self.growth_factor), 1), headroom
             ),
         )
         growth_count = jnp.where(finite & ~relax, count, i32(0))
+        # A finite step that was not applied (the spike rule vetoed it) holds
+        # the scale: its gradients are an outlier, not the new range.
+        hold = finite & dropped
         if magnitude is None:
             return jnp.where(finite, scale, backed), headroom, growth_count
         m = jnp.asarray(magnitude)
@@ -450,16 +461,27 @@ class LossScaler:
         assert self.margin is not None
         # The largest power of two that keeps the measured magnitude, at that
         # scale, margin * headroom below compute_max (inf for all-zero
-        # gradients: the growth bound and max_scale bound it).
-        wanted = scale * (f32(self.compute_max / self.margin) / m) / headroom
+        # gradients: the growth bound and the cap bound it).
+        limit = f32(self.compute_max / self.margin) / headroom
+        wanted = scale * (limit / m)
         _, exponent = jnp.frexp(wanted)
         target = jnp.where(
             jnp.isfinite(wanted) & (wanted > 0),
             jnp.ldexp(f32(1), exponent - 1),
-            jnp.where(wanted > 0, f32(self.max_scale_f32), f32(0)),
+            jnp.where(wanted > 0, cap, f32(0)),
         )
-        grown = jnp.minimum(target, scale * f32(self.growth_factor))
-        return jnp.where(finite, grown, backed), headroom, growth_count
+        grown = jnp.minimum(jnp.minimum(target, scale * f32(self.growth_factor)), cap)
+        scale = jnp.where(finite, jnp.where(hold, scale, grown), backed)
+        return scale, headroom, growth_count
+
+
+def _pow2_floor(value: float) -> float:
+    """The largest power of two <= ``value`` (a positive float)."""
+    mantissa, exponent = math.frexp(value)
+    return math.ldexp(1.0, exponent - 1) if mantissa != 0.5 else value
+
+
+_HEADROOM_MAX = 2.0**64  # the most headroom overflows can add
 
 
 def _count_if(cond: jax.Array, count: jax.Array, otherwise: jax.Array) -> jax.Array:
@@ -645,14 +667,23 @@ def measured_scale(
       >>> float(state.scale) == 2.0**15, float(state.headroom)
       (True, 2.0)
     """
-    if not isinstance(dtype, type) and not hasattr(dtype, "dtype"):
-        try:
-            dtype = jnp.dtype(dtype)
-        except TypeError as e:
-            raise TypeError(f"dtype must be a floating dtype, got {dtype!r}") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype, got {dtype!r}")
-    names = {"growth_factor": "max_growth", "growth_interval": "history"}
+    try:
+        array = isinstance(dtype, jax.Array | np.ndarray)
+        dt = None if dtype is None or array else jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype!r:.100}")
+    if float(jnp.finfo(dt).max) > F32_MAX:
+        raise ValueError(
+            f"dtype must be a compute dtype no wider than float32, got {dt.name}"
+        )
+    dtype = dt
+    names = {
+        "growth_factor": "max_growth",
+        "growth_interval": "history",
+        "compute_max": "dtype's maximum",
+    }
     return make_dynamic(
         lambda field: names.get(field, field),
         init_scale=init_scale,

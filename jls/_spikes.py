@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jls._validate import integer, real
+from jls._validate import F32_MAX, integer, real
 
 _WATCHED = ("norm", "loss", "both")
 
@@ -140,20 +140,30 @@ def _outlier(
 
 
 def is_spike(rule: SpikeRule, state: SpikeState, norm: Any, loss: Any) -> jax.Array:
-    """Whether this step is a spike (never before ``warmup`` applied steps)."""
+    """Whether this step is a spike.
+
+    An outlier once ``warmup`` applied steps fed the statistics; a watched
+    loss that is not finite (inf or nan, with finite gradients) at any time.
+    A non-finite norm is the finite check's business, not a spike.
+    """
     spike = jnp.asarray(False)
     if rule.watches_norm:
         spike = spike | _outlier(rule, norm, state.norm_mean, state.norm_var)
     if rule.watches_loss:
         spike = spike | _outlier(rule, loss, state.loss_mean, state.loss_var)
-    return (state.count >= jnp.int32(rule.warmup)) & spike
+    spike = (state.count >= jnp.int32(rule.warmup)) & spike
+    if rule.watches_loss:
+        spike = spike | ~jnp.isfinite(loss)
+    return spike
 
 
 def _moments(
     alpha: jax.Array, x: jax.Array, mean: jax.Array, var: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     delta = x - mean
-    return mean + alpha * delta, (1 - alpha) * (var + alpha * delta * delta)
+    var = jnp.where(alpha < 1, (1 - alpha) * (var + alpha * delta * delta), 0)
+    # A huge value must not make the variance inf (then nan): it saturates.
+    return mean + alpha * delta, jnp.minimum(var, jnp.float32(F32_MAX))
 
 
 def advance(
@@ -165,7 +175,12 @@ def advance(
     norm: Any,
     loss: Any,
 ) -> SpikeState:
-    """The statistics after a step; only an applied step feeds them."""
+    """The statistics after a step.
+
+    Only an applied step whose watched values are finite feeds them (with
+    ``skip_nonfinite=False`` a non-finite step is applied, and would poison
+    them for good).
+    """
     count = jnp.asarray(optax.safe_increment(state.count))
     alpha = jnp.maximum(1 / count.astype(jnp.float32), jnp.float32(1 / rule.window))
     new = state
@@ -176,7 +191,12 @@ def advance(
         loss_mean, loss_var = _moments(alpha, loss, state.loss_mean, state.loss_var)
         new = new._replace(loss_mean=loss_mean, loss_var=loss_var)
     new = new._replace(count=count)
-    kept = jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, state)
+    feeds = applied
+    if rule.watches_norm:
+        feeds = feeds & jnp.isfinite(norm)
+    if rule.watches_loss:
+        feeds = feeds & jnp.isfinite(loss)
+    kept = jax.tree.map(lambda n, o: jnp.where(feeds, n, o), new, state)
     return kept._replace(
         spike=spike,
         total_spikes=jnp.where(

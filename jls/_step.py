@@ -235,7 +235,13 @@ def train_step(
 
             def again(carry):
                 loss_scale, _, _, _, _, retries = carry
-                loss_scale = backed_off(loss_scale)
+                lowered = backed_off(loss_scale)
+                # The measured rule adds headroom once per overflow, not
+                # once per retry (backed_off restores the overflow count).
+                headroom = jnp.where(
+                    retries == 0, lowered.headroom, loss_scale.headroom
+                )
+                loss_scale = lowered._replace(headroom=headroom)
                 return (loss_scale, *attempt(loss_scale), retries + 1)
 
             def worth_another(carry):
@@ -260,6 +266,11 @@ def train_step(
             grads, state, params, decision, **extra
         )
         new_loss_scale = new_state.loss_scale._replace(retries=retries)
+        # Retries that all failed: the headroom was added on the first one.
+        exhausted = (retries > 0) & ~decision.finite
+        new_loss_scale = new_loss_scale._replace(
+            headroom=jnp.where(exhausted, loss_scale.headroom, new_loss_scale.headroom)
+        )
         new_state = new_state._replace(loss_scale=new_loss_scale)
         finite, apply = decision.finite, new_state.loss_scale.consecutive_skips == 0
         out = StepOutput(

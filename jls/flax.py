@@ -57,8 +57,14 @@ class TrainState(train_state.TrainState):
       (Array([0.5, 0.5], dtype=float32), 1)
     """
 
-    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
-        """One fused, loss-scaled step (``grads`` are the scaled gradients)."""
+    def apply_gradients(
+        self, *, grads: Any, loss: Any = None, **kwargs: Any
+    ) -> TrainState:
+        """One fused, loss-scaled step (``grads`` are the scaled gradients).
+
+        ``loss`` (the unscaled loss) goes to a ``jls.SpikeRule`` that watches
+        it; the other keyword arguments replace fields, as flax's do.
+        """
         scaling = jls.LossScaling.of(self.tx)
         fp8 = OVERWRITE_WITH_GRADIENT in grads
         params = self.params["params"] if fp8 else self.params
@@ -73,8 +79,9 @@ class TrainState(train_state.TrainState):
             finite = decision.finite & ok
             apply = finite if scaling.scaler.skip_nonfinite else decision.apply
             decision = decision._replace(finite=finite, apply=apply)
+        extra = {} if loss is None else {"loss": loss}
         new_params, opt_state = scaling.apply_gradients(
-            trainable, self.opt_state, params, decision
+            trainable, self.opt_state, params, decision, **extra
         )
         applied = ~jls.metrics(opt_state)["skipped"]
         if fp8:

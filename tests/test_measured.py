@@ -441,3 +441,144 @@ def test_a_state_without_the_statistics_is_refused():
     normed = jls.loss_scaling(optax.sgd(0.1), gradient_norm=True)
     with pytest.raises(TypeError, match="gradient_norm"):
         normed.update(params, plain.init(params), params)
+
+
+# What an adversary found (each a regression test) ----------------------------
+
+
+def test_under_shard_map_and_pmap_replicas_agree():
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run(
+        [sys.executable, str(root / "tests" / "scripts" / "measured_shard_map.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    # A leaf replicated over the model axis counts once in the norm.
+    got, want = report["norm"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # One replica's loss spiked: both skipped, the parameters still agree.
+    assert report["skipped"][-1] == [True, True]
+    assert not any(any(s) for s in report["skipped"][:-1])
+    assert report["params_agree"]
+
+
+def _loss_rule_tx(scaler=None, **kw):
+    rule = jls.SpikeRule(watch="loss", warmup=3, threshold=3.0, **kw)
+    return jls.loss_scaling(optax.sgd(0.01), scaler or jls.no_scale(), skip_spikes=rule)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nonfinite_loss_is_a_spike_and_feeds_nothing(bad):
+    tx = _loss_rule_tx()
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for i, loss in enumerate([1.0, bad, 1.01, 0.99, 1.0, 1e3]):
+        _, new = update({"w": jnp.ones(2)}, state, params, loss=jnp.float32(loss))
+        spike = bool(jls.metrics(new)["spike"])
+        assert spike == (i in (1, 5)), i
+        assert np.isfinite(float(new.spikes.loss_mean))
+        assert np.isfinite(float(new.spikes.loss_var))
+        state = new
+
+
+def test_a_huge_first_value_does_not_make_the_statistics_nan():
+    tx = _loss_rule_tx()
+    params = {"w": jnp.ones(2)}
+    _, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params, loss=1e20)
+    _, state = tx.update({"w": jnp.ones(2)}, state, params, loss=1.0)
+    assert np.isfinite(float(state.spikes.loss_var))
+
+
+def test_applied_nonfinite_steps_do_not_feed_the_norm_statistics():
+    rule = jls.SpikeRule(warmup=2)
+    scaler = jls.no_scale(skip_nonfinite=False)
+    tx = jls.loss_scaling(optax.sgd(0.01), scaler, skip_spikes=rule)
+    params = {"w": jnp.ones(2)}
+    _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(params), params)
+    assert int(state.spikes.count) == 0 and float(state.spikes.norm_mean) == 0.0
+
+
+def test_a_vetoed_spike_holds_the_measured_scale():
+    tx = jls.loss_scaling(
+        optax.sgd(0.01),
+        jls.measured_scale(init_scale=2.0**10),
+        skip_spikes=jls.SpikeRule(warmup=3, threshold=3.0),
+    )
+    params = {"w": jnp.ones(100)}
+    state = tx.init(params)
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        scale = float(jls.metrics(state)["loss_scale"])
+        factor = 1e4 if i == 7 else 1.0
+        g = {
+            "w": jnp.asarray(rng.normal(size=100) * 1e-3 * scale * factor, jnp.float32)
+        }
+        _, new = tx.update(g, state, params)
+        if i == 7:
+            assert bool(jls.metrics(new)["spike"])
+            assert float(jls.metrics(new)["loss_scale"]) == scale
+        state = new
+
+
+def test_the_scale_stays_a_power_of_two_under_any_max_scale():
+    scaler = jls.measured_scale(init_scale=512.0, max_scale=1000.0)
+    state = scaler.init()
+    for _ in range(3):
+        state = scaler.adjust(state, True, magnitude=jnp.float32(0))
+    assert float(state.scale) == 512.0
+    big = jls.measured_scale(init_scale=2.0**126)
+    state = big.adjust(big.init(), True, magnitude=jnp.float32(0))
+    assert float(state.scale) == 2.0**127
+
+
+@pytest.mark.parametrize("bad", [np.inf, 2.0**80])
+def test_an_infinite_or_absurd_headroom_is_repaired(bad):
+    scaler = jls.measured_scale(init_scale=2.0**10)
+    state = scaler.init()._replace(headroom=jnp.float32(bad))
+    state = scaler.adjust(state, True, magnitude=jnp.float32(1e-3))
+    assert float(state.headroom) == 1.0 and float(state.scale) == 2.0**11
+
+
+def test_retries_add_headroom_once():
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.measured_scale(init_scale=2.0**14))
+
+    def loss_fn(p, x):
+        return jnp.sum(p["w"] * x).astype(jnp.float16) * jnp.float16(100.0)
+
+    step = jls.train_step(loss_fn, tx, max_retries=4)
+    params = {"w": jnp.ones(4)}
+    _, state, out = jax.jit(step)(params, tx.init(params), jnp.ones(4))
+    assert int(out.retries) > 1
+    assert float(jls.loss_scale_state(state).headroom) == 2.0
+
+
+def test_flax_train_state_takes_the_loss():
+    from flax.training import train_state  # noqa: F401
+
+    import jls.flax
+
+    params = {"w": jnp.ones(2)}
+    tx = _loss_rule_tx()
+    state = jls.flax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = state.apply_gradients(grads={"w": jnp.ones(2)}, loss=jnp.float32(1.0))
+    assert int(state.step) == 1
+
+
+def test_framework_state_dicts_refuse_the_measured_rule():
+    scaler = jls.measured_scale()
+    with pytest.raises(ValueError, match="measured_scale"):
+        jls.presets.to_torch_state_dict(scaler, scaler.init())

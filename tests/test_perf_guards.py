@@ -190,3 +190,31 @@ def test_one_conditional_and_one_reduction_per_leaf_in_the_compiled_step():
 
     assert count(r" conditional\(", fused) == 1
     assert count(r" reduce\(", fused) <= count(r" reduce\(", plain) + LAYERS
+
+
+def _whole_gradient_reductions(text: str) -> int:
+    """Reductions over both axes of a (WIDTH, WIDTH) array: a whole gradient."""
+    return len(re.findall(r" reduce\(.*dimensions=\{0,1\}", text))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"scaler": jls.measured_scale()},
+        {"gradient_norm": True},
+        {"skip_spikes": jls.SpikeRule()},
+    ],
+    ids=["dynamic", "measured", "gradient_norm", "skip_spikes"],
+)
+def test_measuring_adds_no_pass_over_the_gradients(options):
+    # The measured scaler, the norm and the spike rule read their numbers off
+    # the check's own reductions: one per gradient, as the plain check.
+    inner = optax.adam(1e-3)
+    tx = jls.loss_scaling(inner, **options)
+    plain = _hlo(_compile(functools.partial(_plain, inner), inner.init(PARAMS)))
+    fused = _hlo(_compile(functools.partial(_fused, tx), tx.init(PARAMS)))
+    assert len(re.findall(r" conditional\(", fused)) == 1
+    assert _whole_gradient_reductions(fused) == (
+        _whole_gradient_reductions(plain) + LAYERS
+    )

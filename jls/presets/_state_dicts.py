@@ -29,6 +29,18 @@ def _state_dict(state_dict: Any) -> Mapping[str, Any]:
     return state_dict
 
 
+def _check_exportable(scaler: LossScaler) -> None:
+    """The frameworks have the dynamic rule only: the measured one is refused."""
+    if not isinstance(scaler, LossScaler):
+        raise TypeError(f"scaler must be a jls.LossScaler, got {scaler!r:.200}")
+    if scaler.margin is not None:
+        raise ValueError(
+            "scaler is jls.measured_scale(...), which no framework has: its "
+            "state (scale, headroom) cannot be written as that framework's "
+            "state_dict"
+        )
+
+
 def _disabled(scaler: LossScaler) -> bool:
     """Whether ``scaler`` is torch's ``enabled=False`` / Paddle's ``enable=False``."""
     return scaler == no_scale(skip_nonfinite=False)
@@ -55,6 +67,7 @@ def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
       >>> jls.presets.to_torch_state_dict(scaler, scaler.init())["scale"]
       1024.0
     """
+    _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
         return {}
@@ -126,6 +139,7 @@ def to_paddle_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
       >>> jls.presets.to_paddle_state_dict(scaler, scaler.init())["incr_count"]
       0
     """
+    _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
         return {}
@@ -214,6 +228,7 @@ def to_megatron_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]
       >>> jls.presets.to_megatron_state_dict(scaler, scaler.init())
       {'scale': 4294967296.0, 'growth_tracker': 0, 'hysteresis_tracker': 2}
     """
+    _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     return {
         "scale": state_dict_number("state.scale", state.scale),
