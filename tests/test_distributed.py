@@ -130,7 +130,8 @@ def test_orbax_checkpoint_resumes_bitwise(tmp_path, sharded):
     for mode in ("full", "save", "resume"):
         _run([DIST / "checkpoint.py", mode, tmp_path, *flag], devices)
     full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
-    assert full.files == resumed.files and len(full.files) == 14
+    # params (2), Adam (5), the loss-scale state (8 fields)
+    assert full.files == resumed.files and len(full.files) == 15
     for k in full.files:
         assert full[k].dtype == resumed[k].dtype
         np.testing.assert_array_equal(full[k], resumed[k])
