@@ -306,10 +306,10 @@ def unscaled_measured(
     The measurements are of the scaled gradients; below a scale of 1 the
     finite flag is also the exact test of the unscaled values.
     """
-    measured = leaves_squares(_inexact_leaves(grads), named)
+    leaves = _inexact_leaves(grads)
+    measured = leaves_squares(leaves, named)
     if not scale_may_be_below_one:
         return measured
-    leaves = _inexact_leaves(grads)
     finite = lax.cond(
         scale >= 1,
         lambda xs: measured.finite,

@@ -11,9 +11,11 @@ One step, inside ``jit``:
    the compiler fusing the gradient's producer into it). For a scale >= 1
    this is the same question; a scaler that can go below 1 tests the
    unscaled values while it is there. A scale outside the scaler's range
-   counts as non-finite. The flags are reduced across replicas (``pmin``
-   over ``axis_name`` and any ``shard_map`` axis the gradients vary over),
-   so every replica takes the same decision.
+   counts as non-finite. With the measured scaler, the norm metric or the
+   spike rule the check is a sum of squares instead, which also measures
+   the gradients' range and norm in the same pass. The flags are reduced
+   across replicas (``pmin`` over ``axis_name`` and any ``shard_map`` axis
+   the gradients vary over), so every replica takes the same decision.
 2. ``lax.cond`` on the decision, the applying branch first. It unscales the
    gradients (a multiplication by the reciprocal scale, which XLA fuses
    into the optimizer's elementwise update), runs the inner optimizer and,
@@ -195,6 +197,8 @@ class LossScaling:
       axis_name: the axis names replicas agree over, as a tuple.
       diagnostics: whether per-leaf flags are recorded.
       max_consecutive_skips: the divergence limit, or ``None``.
+      gradient_norm: whether the norm of the unscaled gradients is recorded.
+      skip_spikes: the `jls.SpikeRule`, or ``None``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
