@@ -27,6 +27,7 @@ step = jax.jit(
     jax.shard_map(
         lambda g, s, p: jls.apply_gradients(tx, g, s, p),
         mesh=mesh,
+        in_specs=(specs, P(), specs),
         out_specs=(specs, P()),
     )
 )
