@@ -49,7 +49,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.extend import core as jax_core
 
 from jls import _spikes
 from jls._finite import (
@@ -112,6 +111,11 @@ def _with_extra_args(inner: _Transformation) -> optax.GradientTransformationExtr
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return optax.GradientTransformationExtraArgs(inner.init, inner.update)
     return optax.with_extra_args_support(cast(optax.GradientTransformation, inner))
+
+
+def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
+    x = jnp.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -489,8 +493,12 @@ class LossScaling:
 
         One ``lax.cond``, the applying branch first (XLA then copies nothing);
         ``skip`` gets ``step``'s output shapes and dtypes so both branches
-        agree. ``step`` is traced once: the branch replays its jaxpr instead
-        of tracing the inner optimizer a second time. Each branch also
+        agree. ``step`` is traced once, by ``lax.cond`` itself: the taken
+        branch records its output shapes while it is traced, and ``lax.cond``
+        traces it first (tracing ``step`` ahead of the conditional, with
+        ``jax.eval_shape`` or ``jax.make_jaxpr``, costs about what tracing
+        the inner optimizer costs; the skip branch still falls back to
+        ``jax.eval_shape`` should a jax ever trace it first). Each branch also
         returns the adjusted loss-scale state: there the decision is a
         constant (with ``skip_nonfinite``), so the scale rule folds to a few
         scalar ops instead of reading the step's flags, which XLA would
@@ -509,15 +517,15 @@ class LossScaling:
                 magnitude=decision.magnitude,
             )
 
-        traced, out = jax.make_jaxpr(step, return_shape=True)(operands)
-        replay = jax_core.jaxpr_as_fun(traced)
-        out_tree = jax.tree.structure(out)
+        shapes: list[Any] = []  # step's output shapes, once it is traced
 
         def taken(ops):
-            new = jax.tree.unflatten(out_tree, replay(*jax.tree.leaves(ops)))
+            new = step(ops)
+            shapes.append(jax.tree.map(_shape_dtype, new))
             return new, adjusted(True)
 
         def skipped(ops):
+            out = shapes[-1] if shapes else jax.eval_shape(step, ops)
             return skip(ops, out), adjusted(False)
 
         return lax.cond(apply, taken, skipped, operands)
