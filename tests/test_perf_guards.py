@@ -6,6 +6,7 @@ Timings live in ``benchmarks/``; these are the proxies that cannot be noisy.
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -112,6 +113,19 @@ def test_the_check_reads_each_gradient_once():
     assert not re.search(r"pred\[\d", hlo.split("ENTRY")[1].split("\n}\n")[0])
 
 
+def test_small_leaves_share_one_magnitude():
+    # Forty small gradients, each the output of a reduction (as a bias's
+    # gradient is), which nothing fuses into: concatenated before the
+    # magnitude is taken, they cost one abs kernel, not forty.
+    x = jnp.ones((40, 64, 32))
+
+    def check(x):
+        return jls.all_finite([x[i].sum(0) for i in range(40)])
+
+    hlo = _hlo(jax.jit(check).lower(x).compile())
+    assert len(re.findall(r" abs\(", hlo)) == 1
+
+
 def _equations(fn, state) -> int:
     """Equations in ``fn``'s jaxpr, counting every nested jaxpr's too."""
 
@@ -177,6 +191,32 @@ def test_the_inner_optimizer_is_traced_once_per_step(path):
     else:
         jax.jit(jls.train_step(_loss, tx)).lower(PARAMS, state, X)
     assert counting.traces == 1
+
+
+def test_the_skip_branch_does_not_rely_on_the_tracing_order(monkeypatch):
+    # The applying branch records the output shapes the skip branch needs
+    # while lax.cond traces it, first. Should a jax trace the skip branch
+    # first, it falls back to jax.eval_shape (a second trace): same results.
+    counting = _Counting(optax.adam(1e-3))
+    tx = jls.loss_scaling(counting)
+    state = tx.init(PARAMS)
+    step = jax.jit(functools.partial(_via_update, tx))
+    bad = X.at[0, 0].set(jnp.inf)
+    expected = [step(PARAMS, state, x) for x in (X, bad)]
+    assert counting.traces == 1
+    assert [bool(jls.metrics(s)["skipped"]) for _, s in expected] == [False, True]
+
+    cond = jax.lax.cond
+
+    def skip_branch_first(pred, taken, skipped, *operands):
+        return cond(jnp.logical_not(pred), skipped, taken, *operands)
+
+    monkeypatch.setattr(jax.lax, "cond", skip_branch_first)
+    counting.traces = 0
+    step = jax.jit(functools.partial(_via_update, tx))
+    got = [step(PARAMS, state, x) for x in (X, bad)]
+    assert counting.traces == 2  # the fallback ran
+    chex.assert_trees_all_equal(got, expected)
 
 
 def test_one_conditional_and_one_reduction_per_leaf_in_the_compiled_step():
