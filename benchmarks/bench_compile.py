@@ -9,8 +9,21 @@ seconds (less sensitive to other load on a shared machine). The variants
 are interleaved in shuffled order within each round, and the report gives
 each variant's median times and its ratios of medians to plain.
 
-Run: ``python benchmarks/bench_compile.py [--model lm|mlp|both] [--rounds 3]``.
-Needs the ``bench`` extra (flax, jmp).
+With ``--parts`` it also times plain Adam with each piece of jls's step added
+on its own, built from public pieces, to show where the time goes:
+
+  plain_checked   plain Adam that also returns ``jls.all_finite(grads)``: the
+                  check.
+  plain_in_cond   plain Adam's update inside a ``lax.cond`` on a runtime flag
+                  whose other branch returns ``-0.0`` updates and the state,
+                  applied outside, as ``tx.update`` is: the conditional.
+  plain_unscaled  ``plain_in_cond`` with the gradients multiplied by a runtime
+                  ``1 / scale`` inside the branch: the unscaling.
+  plain_all_three ``plain_unscaled`` whose flag is also ``jls.all_finite``: the
+                  three together, without the rest of jls (scale rule, state).
+
+Run: ``python benchmarks/bench_compile.py [--model lm|mlp|both] [--rounds 3]
+[--parts]``. Needs the ``bench`` extra (flax, jmp).
 """
 
 from __future__ import annotations
@@ -20,8 +33,12 @@ import random
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from bench_step import make_problem, make_variants
+
+import jls
 
 VARIANTS = ("plain", "jls_fused", "jls_update")
 
@@ -37,12 +54,57 @@ def sample(step, opt_state, params, batch) -> tuple[float, float, float]:
     return t1 - t0, time.perf_counter() - t1, time.process_time() - c0
 
 
-def run(name: str, rounds: int, seed: int = 0) -> dict:
+def make_parts(loss_fn, params) -> dict:
+    """Plain Adam with one piece of jls's step each (see the module notes)."""
+    adam = optax.adam(1e-4)
+    state = adam.init(params)
+
+    @jax.jit
+    def plain_checked(params, state, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, state = adam.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, jls.all_finite(grads)
+
+    def in_cond(unscale, check=False):
+        @jax.jit
+        def step(params, state, batch):
+            grads = jax.grad(loss_fn)(params, batch)
+            flag = state[0].count < 2**30  # known only at run time
+            if check:
+                flag = flag & jls.all_finite(grads)
+            inverse = 1 / (state[0].count.astype(jnp.float32) + 1)
+
+            def taken(operands):
+                grads, state, params = operands
+                if unscale:
+                    grads = jax.tree.map(lambda g: g * inverse, grads)
+                return adam.update(grads, state, params)
+
+            def skipped(operands):
+                grads, state, _ = operands
+                return jax.tree.map(lambda g: jnp.full_like(g, -0.0), grads), state
+
+            updates, state = jax.lax.cond(flag, taken, skipped, (grads, state, params))
+            return optax.apply_updates(params, updates), state
+
+        return step
+
+    return {
+        "plain_checked": (plain_checked, state),
+        "plain_in_cond": (in_cond(False), state),
+        "plain_unscaled": (in_cond(True), state),
+        "plain_all_three": (in_cond(True, check=True), state),
+    }
+
+
+def run(name: str, rounds: int, seed: int = 0, parts: bool = False) -> dict:
     """Times every variant's trace and compile on one model."""
     loss_fn, params, batch = make_problem(name)
     variants = {
         k: v for k, v in make_variants(loss_fn, params).items() if k in VARIANTS
     }
+    if parts:
+        variants.update(make_parts(loss_fn, params))
     times = {k: {"lower": [], "compile": [], "cpu": []} for k in variants}
     order = list(variants)
     rng = random.Random(seed)
@@ -87,12 +149,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["lm", "mlp", "both"], default="both")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--parts", action="store_true", help="also time jls's pieces one by one"
+    )
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     models = ["lm", "mlp"] if args.model == "both" else [args.model]
     for m in models:
         print()
-        print(report(run(m, args.rounds)))
+        print(report(run(m, args.rounds, parts=args.parts)))
 
 
 if __name__ == "__main__":
