@@ -181,14 +181,17 @@ class Measured(NamedTuple):
 def _sum_squares(parts: list[jax.Array], dtype: Any) -> jax.Array:
     """``sum(|x|**2)`` over ``parts``, accumulated in ``dtype``.
 
-    The parts (a complex one as its real and imaginary parts) are cast and
-    concatenated first, so that the squares are one kernel.
+    Several parts (a complex one as its real and imaginary parts) are cast
+    and concatenated first, so that the squares are one kernel. One part is
+    not reshaped: it may be sharded in its type (`_sharded_in_its_type`).
     """
-    flat = []
+    pieces = []
     for x in parts:
-        pieces = [jnp.real(x), jnp.imag(x)] if _is_complex(x) else [x]
-        flat.extend(p.astype(dtype).ravel() for p in pieces)
-    values = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+        pieces.extend([jnp.real(x), jnp.imag(x)] if _is_complex(x) else [x])
+    pieces = [p.astype(dtype) for p in pieces]
+    if len(parts) == 1:
+        return jnp.sum(functools.reduce(jnp.add, [p * p for p in pieces]), dtype=dtype)
+    values = jnp.concatenate([p.ravel() for p in pieces])
     return jnp.sum(values * values, dtype=dtype)
 
 
@@ -336,6 +339,13 @@ def unscaled_measured(
     return measured._replace(finite=finite)
 
 
+def _empty_slice(x: jax.Array) -> jax.Array:
+    """An empty slice of ``x``, without reshaping it (it may be sharded)."""
+    if not x.ndim:
+        return x.reshape(1)[:0]
+    return x[tuple(slice(0, 0) for _ in range(x.ndim))]
+
+
 def nonfinite_leaf_flags(tree: Any, finite: jax.Array, scale: jax.Array) -> Any:
     """Per-leaf flags: which leaves of ``unscale(tree)`` are not all finite.
 
@@ -359,7 +369,7 @@ def nonfinite_leaf_flags(tree: Any, finite: jax.Array, scale: jax.Array) -> Any:
     # The finite branch's False is derived from each leaf (an empty reduction
     # reads nothing) so both branches carry the same varying axes under
     # shard_map.
-    no_flags = per_leaf(lambda x: jnp.any(jnp.isnan(x.ravel()[:0])))
+    no_flags = per_leaf(lambda x: jnp.any(jnp.isnan(_empty_slice(x))))
     leaves, treedef = jax.tree.flatten(tree)
     factors = reciprocals(scale, leaves)
     flags = per_leaf(lambda x: ~jnp.all(jnp.isfinite(unscale_leaf(x, factors))))

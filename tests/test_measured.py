@@ -473,6 +473,16 @@ def test_under_shard_map_and_pmap_replicas_agree():
     assert report["skipped"][-1] == [True, True]
     assert not any(any(s) for s in report["skipped"][:-1])
     assert report["params_agree"]
+    # Explicitly sharded leaves (on their second axis): the squares check and
+    # diagnostics work on them, real and complex (a reshape used to fail).
+    explicit = report["explicit"]
+    assert len(explicit) == 6
+    for key, (finite, bad) in explicit.items():
+        assert finite[0] is False and bad[0] is True, key
+        if key.endswith("norm"):
+            assert finite[1] == 1.0, key  # 16 entries of 1/4 (scale 4)
+        if key.endswith("diagnostics"):
+            assert finite[2] is False and bad[2] is True, key
 
 
 def _loss_rule_tx(scaler=None, **kw):

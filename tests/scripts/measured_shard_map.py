@@ -57,4 +57,40 @@ for i in range(6):
     skipped.append(np.asarray(jls.metrics(state)["skipped"]).tolist())
 report["skipped"] = skipped
 report["params_agree"] = bool(np.array_equal(*np.asarray(rep_params["w"])))
+
+# Explicit sharding: a leaf sharded on its second axis cannot be reshaped
+# (the squares check and diagnostics must not ravel it), real or complex.
+from jax.sharding import AxisType  # noqa: E402
+
+explicit = jax.make_mesh((2,), ("m",), axis_types=(AxisType.Explicit,))
+report["explicit"] = {}
+with jax.set_mesh(explicit):
+    for dtype in (jnp.float32, jnp.complex64):
+        values = np.ones((4, 4), dtype)
+        grads = {"w": jax.device_put(values, P(None, "m"))}
+        values[1, 3] = np.nan
+        bad = {"w": jax.device_put(values, P(None, "m"))}
+        for name, options in [
+            ("norm", {"gradient_norm": True}),
+            ("measured", {"scaler": jls.measured_scale()}),
+            ("diagnostics", {"diagnostics": True}),
+        ]:
+            options = dict(options)
+            scaler = options.pop("scaler", jls.dynamic_scale(4.0))
+            tx = jls.loss_scaling(optax.sgd(0.1), scaler, **options)
+            update = jax.jit(tx.update)
+            got = []
+            for g in (grads, bad):
+                _, new = update(g, tx.init(g), g)
+                metrics = jls.metrics(new)
+                got.append(
+                    [
+                        bool(metrics["skipped"]),
+                        float(metrics.get("gradient_norm", -1.0)),
+                        bool(jax.tree.leaves(metrics["nonfinite_leaves"])[0])
+                        if options.get("diagnostics")
+                        else None,
+                    ]
+                )
+            report["explicit"][f"{jnp.dtype(dtype).name}-{name}"] = got
 print(json.dumps(report))
