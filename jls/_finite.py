@@ -281,9 +281,7 @@ def _all_finite_jit(tree: Any) -> jax.Array:
     return leaves_finite(_inexact_leaves(tree))
 
 
-_squares_jit = jax.jit(
-    lambda leaves, named: leaves_squares(leaves, named), static_argnums=1
-)
+_squares_jit = jax.jit(leaves_squares, static_argnums=1)
 
 
 def unscaled_finite(

@@ -113,11 +113,6 @@ def _with_extra_args(inner: _Transformation) -> optax.GradientTransformationExtr
     return optax.with_extra_args_support(cast(optax.GradientTransformation, inner))
 
 
-def _shape_dtype(x: Any) -> jax.ShapeDtypeStruct:
-    x = jnp.asarray(x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-
 def _cast_like(tree: Any, like: Any) -> Any:
     """Casts ``tree``'s leaves to the dtypes of ``like``'s (shape structs).
 
@@ -521,7 +516,7 @@ class LossScaling:
 
         def taken(ops):
             new = step(ops)
-            shapes.append(jax.tree.map(_shape_dtype, new))
+            shapes.append(jax.tree.map(jax.typeof, new))
             return new, adjusted(True)
 
         def skipped(ops):
