@@ -106,8 +106,17 @@ def main(argv=None) -> dict:
             )
             with ocp.StandardCheckpointer() as ckptr:
                 restored = ckptr.restore(ckpt, target)
+            saved = {"params": params, "opt_state": opt_state}
+            exact = jax.tree.structure(restored) == jax.tree.structure(saved) and all(
+                a.dtype == b.dtype and bool(np.array_equal(a, b))
+                for a, b in zip(
+                    jax.tree.leaves(restored), jax.tree.leaves(saved), strict=False
+                )
+            )
+            if not exact:
+                raise RuntimeError("the restored state differs from the saved one")
             params, opt_state = restored["params"], restored["opt_state"]
-            print(f"step {step}: saved and restored {ckpt}")
+            print(f"step {step}: saved and restored {ckpt}, bitwise equal")
         if step in (0, 3, args.steps - 1) or step % 10 == 0:
             print(
                 f"step {step:3d}  loss scale {float(m['loss_scale']):8.0f}  "

@@ -8,6 +8,7 @@ whole step built on it.
 """
 
 from jls import presets
+from jls._checkpoint import upgrade_state
 from jls._divergence import DivergenceError, raise_if_diverged
 from jls._finite import all_finite
 from jls._loss_scaling import LossScaling, apply_gradients, loss_scaling
@@ -31,7 +32,25 @@ from jls._state import (
 )
 from jls._step import StepOutput, train_step
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.3.0.dev0"
+
+
+def __getattr__(name: str) -> object:
+    # ``jls.flax`` needs flax, so ``import jls`` does not import it; reaching
+    # for it without ``import jls.flax`` imports it here (or says what to
+    # install), instead of an AttributeError that names nothing.
+    if name == "flax":
+        import importlib
+
+        try:
+            return importlib.import_module("jls.flax")
+        except ImportError as err:
+            raise AttributeError(
+                "jls.flax needs flax: pip install -e '.[flax]' in a checkout of "
+                f"jls, then import jls.flax ({err})"
+            ) from None
+    raise AttributeError(f"module 'jls' has no attribute {name!r}")
+
 
 __all__ = [
     "DivergenceError",
@@ -59,4 +78,5 @@ __all__ = [
     "static_scale",
     "train_step",
     "unscale",
+    "upgrade_state",
 ]

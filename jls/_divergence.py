@@ -11,6 +11,8 @@ max_consecutive_skips=n)`` keeps a sticky ``diverged`` flag in the state
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import jax.numpy as jnp
@@ -51,9 +53,27 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
             "give max_consecutive_skips, or pass the state of a "
             "jls.loss_scaling(..., max_consecutive_skips=n) transformation (it "
             "keeps the diverged flag); found "
-            f"{len(found) or 'no'} such state(s)"
+            f"{len(found) or 'none'}"
         )
     return found[0].diverged, "set by loss_scaling's max_consecutive_skips"
+
+
+def _under_checkify() -> bool:
+    """Whether the caller is being traced by ``jax.experimental.checkify``.
+
+    ``checkify.checkify(f)`` traces ``f`` from inside its own module, so one
+    of the frames above is there. Without it a ``checkify.check`` under
+    ``jit`` fails later with an error that does not say what to do.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKIFY_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CHECKIFY_FILE = os.path.join("jax", "_src", "checkify.py")
 
 
 def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) -> None:
@@ -101,6 +121,15 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) 
     flags, limit = _flags(opt_state, max_consecutive_skips)
     state = loss_scale_state(opt_state, batched=True)
     if isinstance(flags, Tracer):
+        if not _under_checkify():
+            raise TypeError(
+                "jls.raise_if_diverged was called inside jit (or another jax "
+                "transformation) without checkify, where it cannot raise. Call it "
+                "on the host after the step, where you log metrics: "
+                "params, opt_state = step(...); jls.raise_if_diverged(opt_state) "
+                "(it reads one flag); or wrap the step in "
+                "jax.experimental.checkify.checkify and call err.throw()"
+            )
         checkify.check(
             ~jnp.any(flags),
             "jls: loss scaling diverged: {count} consecutive skipped steps (limit "

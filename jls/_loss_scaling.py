@@ -41,6 +41,7 @@ its HLO has no more array copies than the plain step's.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -52,15 +53,17 @@ from jax import lax
 
 from jls import _spikes
 from jls._finite import (
+    all_finite,
     nonfinite_leaf_flags,
     unscaled_finite,
     unscaled_measured,
+    unscaled_norm,
     varying_axes,
 )
 from jls._scaler import LossScaler, dynamic_scale
-from jls._scaling import Factors, reciprocals, unscale_leaf
+from jls._scaling import SINGLE_FACTOR_MAX, Factors, reciprocals, unscale_leaf
 from jls._state import LossScaleState, WrapperState, check_state
-from jls._trees import merge, split_inexact
+from jls._trees import merge, split_frozen, split_inexact
 from jls._validate import axis_names, flag, integer
 
 
@@ -141,6 +144,24 @@ def _check_gradient_dtypes(grads: Any) -> None:
                 "cannot hold gradients or updates (every zero becomes nan). Keep "
                 "such scale factors out of the optimized tree (e.g. optax.masked)."
             )
+
+
+_MISSING: Any = object()
+
+
+def _holds(tree: Any, kind: type) -> bool:
+    """Whether a ``kind`` is inside ``tree`` (not ``tree`` itself)."""
+    found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+    return any(isinstance(x, kind) for x in found)
+
+
+def _check_order(opt_state: Any, params: Any) -> None:
+    """Refuses ``params`` and ``opt_state`` passed the wrong way round."""
+    if isinstance(params, WrapperState) and not isinstance(opt_state, WrapperState):
+        raise TypeError(
+            "params is this transformation's state and opt_state is not: they "
+            "are swapped. Call apply_gradients(tx, grads, opt_state, params)"
+        )
 
 
 def _zero(dtype: Any) -> Any:
@@ -228,9 +249,20 @@ class LossScaling:
             callable(getattr(inner, "init", None))
             and callable(getattr(inner, "update", None))
         ):
+            hint = ""
+            if callable(inner) and not isinstance(inner, LossScaler):
+                hint = (
+                    " (an optimizer factory? call it: loss_scaling(optax.adam(1e-3)),"
+                    " not loss_scaling(optax.adam))"
+                )
+            if isinstance(inner, LossScaler):
+                hint = (
+                    " (a scaler: the optimizer comes first: "
+                    "loss_scaling(inner, scaler))"
+                )
             raise TypeError(
                 "inner must be an optax.GradientTransformation, got "
-                f"{type(inner).__name__}: {inner!r:.200}"
+                f"{type(inner).__name__}{hint}: {inner!r:.200}"
             )
         if scaler is None:
             scaler = dynamic_scale()
@@ -319,9 +351,17 @@ class LossScaling:
         Checked at trace time; boxed leaves (flax ``nnx``) are unwrapped.
         """
         if not isinstance(opt_state, WrapperState):
+            hint = ""
+            if _holds(opt_state, WrapperState):
+                hint = (
+                    ": it holds one, inside other states (optax.chain?). Put "
+                    "every transformation inside loss_scaling, e.g. "
+                    "jls.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
+                    "optax.adam(1e-3))), and pass its state"
+                )
             raise TypeError(
-                "opt_state must be the state made by this transformation's init, "
-                f"got {type(opt_state).__name__}"
+                "opt_state must be the state made by this transformation's init "
+                f"(tx.init(params)), got {type(opt_state).__name__}{hint}"
             )
         if self.diagnostics and opt_state.nonfinite_leaves is None:
             raise TypeError(
@@ -349,7 +389,9 @@ class LossScaling:
         loss_scale = check_state(opt_state.loss_scale, argname="opt_state.loss_scale")
         return opt_state._replace(loss_scale=loss_scale)
 
-    def decide(self, grads: Any, loss_scale: LossScaleState) -> Decision:
+    def decide(
+        self, grads: Any, loss_scale: LossScaleState, *, also_finite: Any = None
+    ) -> Decision:
         """The step's `Decision`: ``finite`` and ``apply``, and the measurements.
 
         ``finite``: the unscaled gradients are all finite and the scale lies
@@ -363,8 +405,25 @@ class LossScaling:
         Args:
           grads: the scaled gradients.
           loss_scale: the `jls.LossScaleState` they were scaled with.
+          also_finite: a tree of values that must be finite too for the step
+            to be applied, checked with the gradients but neither unscaled
+            nor measured (flax's fp8 scales and amax histories).
+
+        Raises:
+          TypeError: at trace time, if ``loss_scale`` is not a valid
+            `jls.LossScaleState` (the whole optimizer state, say).
         """
+        if not isinstance(loss_scale, LossScaleState):
+            hint = ""
+            if isinstance(loss_scale, WrapperState):
+                hint = " (this is the whole optimizer state: pass its .loss_scale)"
+            raise TypeError(
+                "loss_scale must be a jls.LossScaleState, got "
+                f"{type(loss_scale).__name__}{hint}: {loss_scale!r:.200}"
+            )
+        loss_scale = check_state(loss_scale, argname="loss_scale")
         _check_gradient_dtypes(grads)
+        self._hint_bfloat16(grads)
         scale = loss_scale.scale
         below_one = self.scaler.min_scale_f32 < 1
         magnitude = norm = None
@@ -372,15 +431,35 @@ class LossScaling:
             measured = unscaled_measured(
                 grads, scale, scale_may_be_below_one=below_one, named=self.axis_name
             )
-            finite = measured.finite
-            magnitude, sum_squares = self._agree_measured(measured)
-            norm = jnp.sqrt(sum_squares) / scale
+            finite, magnitude = measured.finite, measured.magnitude
+            norm = unscaled_norm(measured, scale)
         else:
             finite = unscaled_finite(grads, scale, scale_may_be_below_one=below_one)
+        if also_finite is not None:
+            finite = finite & all_finite(also_finite)
         finite, valid = self._agree([finite, self.scaler.in_range(scale)], lax.pmin)
         finite = finite & valid
         apply = finite if self.scaler.skip_nonfinite else valid
         return Decision(finite, apply, magnitude, norm)
+
+    def _hint_bfloat16(self, grads: Any) -> None:
+        """Warns, at trace time, that bfloat16 gradients need no dynamic scale."""
+        if self.scaler.margin is not None or not self.scaler.is_dynamic:
+            return
+        dtypes = {
+            np.dtype(x.dtype)
+            for x in jax.tree.leaves(grads)
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+        }
+        if dtypes == {np.dtype(jnp.bfloat16)}:
+            warnings.warn(
+                "every gradient is bfloat16, which has float32's range: a dynamic "
+                "loss scale only costs time there. For skip-on-nan use "
+                "jls.loss_scaling(inner, jls.no_scale()); loss scaling is for "
+                "float16 (and fp8) gradients",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def update(
         self,
@@ -390,6 +469,7 @@ class LossScaling:
         **extra_args: Any,
     ) -> tuple[optax.Updates, WrapperState]:
         """Optax's ``update``: takes the SCALED gradients (see `jls.loss_scaling`)."""
+        _check_order(state, params)
         state = self.check_state(state)
         loss, extra_args = self._pop_loss(extra_args)
         decision = self._veto(self.decide(updates, state.loss_scale), state, loss)
@@ -435,13 +515,21 @@ class LossScaling:
           **extra_args: forwarded to the inner optimizer's ``update`` (e.g.
             ``value=`` for ``optax.contrib.reduce_on_plateau``).
         """
+        _check_order(opt_state, params)
         state = self.check_state(opt_state)
         loss, extra_args = self._pop_loss(extra_args)
         if decision is None:
             decision = self.decide(grads, state.loss_scale)
+        elif not isinstance(decision, Decision):
+            raise TypeError(
+                "decision must be the jls Decision that decide(grads, "
+                "opt_state.loss_scale) returned (or None), got "
+                f"{type(decision).__name__}: {decision!r:.200}"
+            )
         decision = self._veto(decision, state, loss)
         factors = self._reciprocals(grads, state.loss_scale)
         params, rest = split_inexact(params)  # a whole model: the rest passes by
+        params, frozen = split_frozen(params, grads)  # None gradients: not trained
 
         def step(operands):
             grads, inner_state, params = operands
@@ -460,7 +548,7 @@ class LossScaling:
             decision, state.loss_scale, step, skip, operands
         )
         new_state = self._finish(state, grads, decision, inner_state, loss_scale, loss)
-        return merge(params, rest), new_state
+        return merge(merge(params, frozen), rest), new_state
 
     def _reciprocals(self, grads: Any, loss_scale: LossScaleState) -> Factors:
         """The unscaling factors, computed once, before the conditional.
@@ -468,7 +556,10 @@ class LossScaling:
         So the branch receives them as operands instead of recomputing them
         in every fusion that reads a gradient.
         """
-        return {} if self.scaler.is_identity else reciprocals(loss_scale.scale, grads)
+        if self.scaler.is_identity:
+            return {}
+        two = self.scaler.max_scale_f32 > SINGLE_FACTOR_MAX
+        return reciprocals(loss_scale.scale, grads, two_factor=two)
 
     @staticmethod
     def _unscale(grads: Any, factors: Factors) -> Any:
@@ -572,6 +663,14 @@ class LossScaling:
             return None, extra_args
         rest = dict(extra_args)
         loss = _spikes.check_loss(self.skip_spikes, rest.pop("loss", None))
+        if loss is not None:
+            # Every replica watches (and feeds its statistics) the same loss:
+            # the replicas' mean (non-finite if any replica's is).
+            axes = self.axis_name + tuple(
+                sorted(varying_axes(loss) - set(self.axis_name))
+            )
+            if axes:
+                loss = lax.pmean(loss, axes)
         return loss, rest
 
     def _veto(self, decision: Decision, state: WrapperState, loss: Any) -> Decision:
@@ -604,20 +703,6 @@ class LossScaling:
             return flags
         agreed = reduce(stacked, axes) > 0
         return [agreed[i] for i in range(len(flags))]
-
-    def _agree_measured(self, measured: Any) -> tuple[jax.Array, jax.Array]:
-        """The magnitude and sum of squares, maximised across replicas.
-
-        Model-parallel shards of one gradient were summed in the check
-        (`jls._finite.leaves_squares`); what still varies is over
-        ``axis_name`` and any other axis: every replica takes the largest.
-        """
-        out = []
-        for value in (measured.magnitude, measured.sum_squares):
-            named = self.axis_name
-            axes = named + tuple(sorted(varying_axes(value) - set(named)))
-            out.append(lax.pmax(value, axes) if axes else value)
-        return out[0], out[1]
 
 
 def loss_scaling(
@@ -675,8 +760,8 @@ def loss_scaling(
         gradients (``jls.metrics(...)["gradient_norm"]``), from the finite
         check's own pass: the check becomes a sum of squares, which also
         yields the norm (no second read of the gradients, unlike
-        ``optax.global_norm``). A step whose sum of squares overflows
-        float32 (norm above about 1.8e19) then counts as non-finite.
+        ``optax.global_norm``), exact for every finite norm (inf past the
+        float32 maximum); finite gradients are never reported non-finite.
       skip_spikes: a `jls.SpikeRule`: also skip a step whose gradient norm
         (or loss, given as ``loss=``) is an outlier against its running
         statistics. Composes with every scaler, ``no_scale()`` included.
@@ -719,7 +804,7 @@ def apply_gradients(
     tx: optax.GradientTransformation,
     grads: optax.Updates,
     opt_state: optax.OptState,
-    params: optax.Params,
+    params: optax.Params = _MISSING,
     **extra_args: Any,
 ) -> tuple[optax.Params, WrapperState]:
     """Applies one loss-scaled step to the parameters: the fused path.
@@ -758,4 +843,10 @@ def apply_gradients(
       >>> params["w"]
       Array([0.5, 0.5], dtype=float32)
     """
+    if params is _MISSING:
+        got = "params" if isinstance(opt_state, WrapperState) else "opt_state"
+        raise TypeError(
+            "apply_gradients(tx, grads, opt_state, params) takes four arguments; "
+            f"{got} is missing (got tx, grads and one more)"
+        )
     return LossScaling.of(tx).apply_gradients(grads, opt_state, params, **extra_args)

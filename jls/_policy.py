@@ -65,9 +65,13 @@ def _floating(name: str, dtype: Any) -> np.dtype:
 def _cast_floating(tree: T, dtype: np.dtype) -> T:
     def cast(x: Any) -> Any:
         is_array = isinstance(x, (jax.Array, np.ndarray))
-        if is_array and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x
+        if not (is_array and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        # A weakly typed array is cast even to its own dtype, as jmp does
+        # (``astype`` makes it strong): ``cast_to_output(x) * f16`` is then
+        # float32, not float16.
+        weak = isinstance(x, jax.Array) and jax.typeof(x).weak_type
+        return x.astype(dtype) if x.dtype != dtype or weak else x
 
     return jax.tree.map(cast, tree)
 

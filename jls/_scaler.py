@@ -47,8 +47,18 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
+from jls._scaling import SINGLE_FACTOR_MAX
 from jls._state import LossScaleState, check_state, make_state
-from jls._validate import F32_MAX, factor, flag, integer, positive_f32, real, to_f32
+from jls._validate import (
+    F32_MAX,
+    factor,
+    flag,
+    integer,
+    positive_f32,
+    real,
+    scale_in,
+    to_f32,
+)
 
 Namer = Callable[[str], str]
 
@@ -135,6 +145,15 @@ def _config(fields: dict[str, Any], name: Namer) -> dict[str, Any]:
                 "the measured rule backs off on every non-finite step: "
                 f"{name('backoff_interval')} and {name('hysteresis')} must be 1"
             )
+        # Its scales are powers of two (exact unscaling): so must be every
+        # number that makes or moves one.
+        for key in ("init_scale", "min_scale", "growth_factor", "backoff_factor"):
+            value = to_f32(out[key])
+            if math.frexp(value)[0] != 0.5:
+                raise ValueError(
+                    f"{name(key)} must be a power of two (the measured rule keeps "
+                    f"its scale one, so that unscaling is exact), got {out[key]!r}"
+                )
     out["margin"] = margin
     out["compute_max"] = positive_f32(name("compute_max"), fields["compute_max"])
     if not low <= out["init_scale"] <= high:
@@ -254,7 +273,25 @@ class LossScaler:
         never used to unscale an applied update.
         """
         f32 = jnp.float32
-        return (scale >= f32(self.min_scale_f32)) & (scale <= f32(self.max_scale_f32))
+        ok = (scale >= f32(self.min_scale_f32)) & (scale <= f32(self.max_scale_f32))
+        if self.margin is not None:  # the measured rule's scales are powers of two
+            ok = ok & _is_pow2(scale)
+        return ok
+
+    def check_scale(self, name: str, value: Any) -> float:
+        """A concrete scale this scaler can use, or an error naming ``name``.
+
+        Positive, normal in float32, in ``[min_scale, max_scale]``, and for
+        the measured rule a power of two.
+        """
+        value = scale_in(name, value, self.min_scale_f32, self.max_scale_f32)
+        if self.margin is not None and math.frexp(to_f32(value))[0] != 0.5:
+            raise ValueError(
+                f"{name} must be a power of two for jls.measured_scale (its "
+                f"scales are powers of two, so that unscaling is exact), got "
+                f"{value!r}"
+            )
+        return value
 
     def init(self) -> LossScaleState:
         """Returns the state before the first step.
@@ -344,7 +381,7 @@ class LossScaler:
         # from growth_restart after the start or a non-finite step), unless
         # the grown scale would exceed max_scale: then it stays (or, with
         # saturate_growth, lands on max_scale).
-        count = state.growth_count + i32(1)
+        count = optax.safe_increment(state.growth_count)
         at_interval = finite & (count >= i32(self.growth_interval))
         grown = scale * f32(self.growth_factor)
         if self.saturate_growth:
@@ -400,6 +437,8 @@ class LossScaler:
         # in [min_scale, max_scale]; nan goes to min_scale.
         low, high = f32(self.min_scale_f32), f32(self.max_scale_f32)
         scale = jnp.where(scale >= low, jnp.minimum(scale, high), low)
+        if self.margin is not None:  # a scale set by hand becomes a power of two
+            scale = _pow2_floor_array(scale)
         return LossScaleState(
             scale=scale,
             growth_count=growth_count,
@@ -431,13 +470,15 @@ class LossScaler:
         # below 1 is read as 1.
         headroom = state.headroom
         headroom = jnp.where(
-            (headroom >= 1) & (headroom <= f32(_HEADROOM_MAX)), headroom, f32(1)
+            (headroom >= 1) & (headroom <= f32(_HEADROOM_MAX)),
+            _pow2_floor_array(headroom),
+            f32(1),
         )
         # The first overflow of a run of them doubles the headroom (the margin
         # did not cover this model's activation gradients); every `history`
         # finite steps since halve it again, down to 1.
         first = ~finite & (state.consecutive_nonfinite == 0)
-        count = state.growth_count + i32(1)
+        count = optax.safe_increment(state.growth_count)
         relax = finite & (count >= i32(self.growth_interval))
         headroom = jnp.where(
             first,
@@ -484,6 +525,18 @@ def _pow2_floor(value: float) -> float:
 _HEADROOM_MAX = 2.0**64  # the most headroom overflows can add
 
 
+def _is_pow2(x: jax.Array) -> jax.Array:
+    """Whether each element of ``x`` is a positive, normal power of two."""
+    mantissa, _ = jnp.frexp(x)
+    return (mantissa == 0.5) & (x >= jnp.finfo(x.dtype).tiny) & jnp.isfinite(x)
+
+
+def _pow2_floor_array(x: jax.Array) -> jax.Array:
+    """The largest power of two <= ``x`` (positive and finite)."""
+    _, exponent = jnp.frexp(x)
+    return jnp.ldexp(jnp.ones((), x.dtype), exponent - 1)
+
+
 def _count_if(cond: jax.Array, count: jax.Array, otherwise: jax.Array) -> jax.Array:
     """``count + 1`` (saturating at the int32 maximum) where ``cond``."""
     return jnp.where(cond, optax.safe_increment(count), otherwise)
@@ -503,7 +556,7 @@ def dynamic_scale(
     hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
     min_scale: float = 1.0,
-    max_scale: float = F32_MAX,
+    max_scale: float = SINGLE_FACTOR_MAX,
     skip_nonfinite: bool = True,
 ) -> LossScaler:
     """The dynamic loss-scale rule: grow while finite, back off on overflow.
@@ -545,7 +598,11 @@ def dynamic_scale(
         reaches 0. May be below 1 (every scale in ``[min_scale, max_scale]``
         is handled without false negatives).
       max_scale: the ceiling; a growth that would exceed it is not taken, so
-        the scale never reaches inf. Default: the float32 maximum.
+        the scale never reaches inf. Default 2**126, the largest power of two
+        whose reciprocal is a normal float32: up to it one multiplication
+        unscales exactly. A larger ``max_scale`` (up to the float32 maximum,
+        as the presets of peers without a cap use) unscales with two
+        factors, exactly too, at a small compile-time cost.
       skip_nonfinite: drop a step whose gradients are not finite (default).
         ``False`` applies it anyway; the step then counts in
         ``consecutive_nonfinite`` but not as a skip.
@@ -595,7 +652,7 @@ def measured_scale(
     max_growth: float = 2.0,
     backoff_factor: float = 0.5,
     min_scale: float = 1.0,
-    max_scale: float = F32_MAX,
+    max_scale: float = SINGLE_FACTOR_MAX,
     skip_nonfinite: bool = True,
 ) -> LossScaler:
     """A scale chosen from the gradients' measured range: no interval to tune.
@@ -621,13 +678,17 @@ def measured_scale(
     halve it again, down to 1. A model whose activation gradients need more
     than ``margin`` thus loses about one step per ``history`` steps.
 
-    Scales are powers of two (exact unscaling) when ``init_scale``,
-    ``min_scale`` and ``max_growth`` are. The state is the usual
-    `jls.LossScaleState` (``headroom`` is its field), so one trace serves
-    every step, and every guarantee of the other scalers holds; the one
-    difference is the squares check's: a step whose sum of squares
-    overflows float32 (gradients above about ``1.8e19 / sqrt(size)``; never
-    for gradients that went through float16) counts as non-finite.
+    Scales and the headroom are always powers of two, so unscaling is
+    exact: ``init_scale``, ``min_scale``, ``max_growth`` and
+    ``backoff_factor`` must be powers of two (refused otherwise), the cap is
+    the largest power of two at most ``max_scale``, and a scale that is not
+    one (set by hand, or from a checkpoint) is treated as out of range: its
+    step is dropped and the next scale is a power of two. The state is the
+    usual `jls.LossScaleState` (``headroom`` is its field), so one trace
+    serves every step, and every guarantee of the other scalers holds. The
+    squares check never reports finite gradients non-finite, however large
+    (a plain sum of squares that overflows float32 is summed again shrunk,
+    on that step only), so the rule works for every compute ``dtype``.
 
     Args:
       margin: the headroom, ``>= 1``, between the scaled gradients' largest
@@ -644,7 +705,7 @@ def measured_scale(
       max_growth: the most the scale grows in one step, ``>= 1``.
       backoff_factor: multiplies the scale on a non-finite step; in (0, 1].
       min_scale: the floor.
-      max_scale: the cap.
+      max_scale: the cap. Default 2**126 (one-factor unscaling).
       skip_nonfinite: drop a step whose gradients are not finite (default).
 
     Returns:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jls._state import loss_scale_state
+from jls._state import LossScaleState, loss_scale_state
 
 
 def compute_dtype(dtype: Any) -> Any:
@@ -25,33 +25,46 @@ def compute_dtype(dtype: Any) -> Any:
 
 
 _SPLIT = 2.0**64
+# The largest power of two whose float32 reciprocal is normal: up to this
+# scale one multiplication by ``1 / scale`` unscales exactly on every backend.
+SINGLE_FACTOR_MAX = 2.0**126
 
 
-def _reciprocal(scale: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``1 / scale`` as two normal factors ``(a, b)`` with ``a * b == 1 / scale``.
+def _reciprocal(
+    scale: jax.Array, dtype: Any, two_factor: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """``1 / scale`` as one factor, or two normal factors ``(a, b)``.
 
     XLA flushes subnormals to zero, so the float32 reciprocal of a scale
-    above 2**126 would be 0. Above 2**64 the reciprocal is taken as
-    ``(2**64 / scale) * 2**-64``: the second factor is a power of two, so
-    ``(x * a) * b`` rounds exactly once, like ``x * (1 / scale)``, and
-    ``|x * a| <= |x|`` for every scale >= 1 (no intermediate overflow).
+    above 2**126 would be 0. A scaler whose ``max_scale`` is at most
+    `SINGLE_FACTOR_MAX` never has such a scale (the scale is clamped into
+    range, and a step at an out-of-range scale is dropped), and unscales with
+    ``(a, None)``, one multiplication. Otherwise, above 2**64 the reciprocal
+    is taken as ``(2**64 / scale) * 2**-64``: the second factor is a power of
+    two, so ``(x * a) * b`` rounds exactly once, like ``x * (1 / scale)``,
+    and ``|x * a| <= |x|`` for every scale >= 1 (no intermediate overflow).
+    A float64 reciprocal of a float32 scale is always normal: one factor.
     """
     scale = scale.astype(dtype)
+    one = jnp.ones((), dtype)
+    if not two_factor or jnp.finfo(dtype).maxexp > 128:
+        return one / scale, None
     big = scale > _SPLIT
-    a = jnp.where(big, jnp.asarray(_SPLIT, dtype) / scale, jnp.ones((), dtype) / scale)
-    b = jnp.where(big, jnp.asarray(1 / _SPLIT, dtype), jnp.ones((), dtype))
+    a = jnp.where(big, jnp.asarray(_SPLIT, dtype) / scale, one / scale)
+    b = jnp.where(big, jnp.asarray(1 / _SPLIT, dtype), one)
     return a, b
 
 
-Factors = dict[Any, tuple[jax.Array, jax.Array]]
+Factors = dict[Any, tuple[jax.Array, jax.Array | None]]
 
 
-def reciprocals(scale: jax.Array, tree: Any) -> Factors:
+def reciprocals(scale: jax.Array, tree: Any, *, two_factor: bool = True) -> Factors:
     """The factors of ``1 / scale`` for every compute dtype of ``tree``'s leaves.
 
     Computed once per step and shared by every leaf: per leaf they would be
     traced, lowered and compiled once per leaf (and per fusion that reads
-    the leaf).
+    the leaf). ``two_factor=False`` promises that ``scale`` is at most
+    `SINGLE_FACTOR_MAX` (see `_reciprocal`).
     """
     factors = {}
     for leaf in jax.tree.leaves(tree):
@@ -61,7 +74,7 @@ def reciprocals(scale: jax.Array, tree: Any) -> Factors:
         if jnp.issubdtype(dtype, jnp.inexact):
             wide = compute_dtype(dtype)
             if wide not in factors:
-                factors[wide] = _reciprocal(scale, wide)
+                factors[wide] = _reciprocal(scale, wide, two_factor)
     return factors
 
 
@@ -82,13 +95,20 @@ def unscale_leaf(leaf: Any, factors: Factors) -> Any:
         if not jnp.issubdtype(dtype, jnp.inexact):
             return leaf
     a, b = factors[compute_dtype(dtype)]
-    return (leaf.astype(a.dtype) * a * b).astype(dtype)
+    wide = leaf.astype(a.dtype) * a
+    return (wide if b is None else wide * b).astype(dtype)
 
 
-def unscale_tree(tree: Any, scale: jax.Array) -> Any:
+def unscale_tree(tree: Any, scale: jax.Array, *, two_factor: bool = True) -> Any:
     """`unscale_leaf` over ``tree``, with the factors computed once."""
-    factors = reciprocals(scale, tree)
+    factors = reciprocals(scale, tree, two_factor=two_factor)
     return jax.tree.map(lambda x: unscale_leaf(x, factors), tree)
+
+
+def _is_state(x: Any) -> bool:
+    """Whether ``x`` is (or holds) a jls state: a sign of swapped arguments."""
+    found = jax.tree.leaves(x, is_leaf=lambda y: isinstance(y, LossScaleState))
+    return any(isinstance(y, LossScaleState) for y in found)
 
 
 def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
@@ -118,6 +138,11 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
       >>> jls.scale_loss(jnp.float16(1.5), state)
       Array(196608., dtype=float32)
     """
+    if _is_state(loss):
+        raise TypeError(
+            "scale_loss(loss, opt_state): the first argument is an optimizer "
+            "state; the arguments are swapped"
+        )
     loss = jnp.asarray(loss)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"loss must be a floating array, got dtype {loss.dtype}")
@@ -154,4 +179,9 @@ def unscale(tree: Any, opt_state: Any) -> Any:
       >>> jls.unscale({"w": jnp.array([8.0, 16.0], jnp.float16)}, state)
       {'w': Array([1., 2.], dtype=float16)}
     """
+    if _is_state(tree) and not _is_state(opt_state):
+        raise TypeError(
+            "unscale(tree, opt_state): the first argument is an optimizer state "
+            "and the second is not; the arguments are swapped"
+        )
     return unscale_tree(tree, loss_scale_state(opt_state).scale)

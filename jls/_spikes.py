@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jls._validate import F32_MAX, integer, real
+from jls._validate import F32_MAX, integer, positive_f32, real
 
 _WATCHED = ("norm", "loss", "both")
 
@@ -34,7 +34,15 @@ class SpikeRule:
     applied steps before it. The statistics are exponential moving averages
     over about ``window`` steps (exact averages over the first ``window``);
     the rule acts once ``warmup`` steps have fed them. A skipped step (spike
-    or non-finite) does not update them.
+    or non-finite) does not update them. A step whose gradients are not
+    finite is the finite check's business, never a spike (with
+    ``skip_nonfinite=False`` it is applied like any such step).
+
+    The rule always recovers: a run of ``patience`` spikes in a row means
+    the level has moved (a loss weighted 0 during warm-up, a new phase of
+    training), and the statistics restart: the next ``warmup`` steps are
+    applied and learn the new level. Statistics that arrive not finite or
+    negative (a checkpoint, a user's hand) restart the same way.
 
     Attributes:
       threshold: how many standard deviations above the mean make a spike;
@@ -43,6 +51,8 @@ class SpikeRule:
       window: the statistics' horizon in steps, ``>= 1``.
       watch: ``"norm"`` (default), ``"loss"`` or ``"both"``. Watching the
         loss needs ``loss=`` (the unscaled loss, a scalar) on every step.
+        With ``axis_name``, the replicas' mean loss is watched.
+      patience: spikes in a row after which the statistics restart, ``>= 1``.
 
     Example:
       >>> import jls
@@ -58,14 +68,18 @@ class SpikeRule:
     warmup: int = 100
     window: int = 100
     watch: str = "norm"
+    patience: int = 25
 
     def __post_init__(self) -> None:
         threshold = real("threshold", self.threshold)
-        if not 0 < threshold < float("inf"):
+        if not threshold > 0:
             raise ValueError(f"threshold must be > 0, got {threshold!r}")
+        # Compared in float32: 1e39 would be inf (no spike ever), 1e-45 zero.
+        threshold = positive_f32("threshold", threshold)
         object.__setattr__(self, "threshold", threshold)
         object.__setattr__(self, "warmup", integer("warmup", self.warmup, 2))
         object.__setattr__(self, "window", integer("window", self.window, 1))
+        object.__setattr__(self, "patience", integer("patience", self.patience, 1))
         if self.watch not in _WATCHED:
             raise ValueError(f"watch must be one of {_WATCHED}, got {self.watch!r}")
 
@@ -90,6 +104,8 @@ class SpikeState(NamedTuple):
       loss_mean, loss_var: float32, the loss's.
       spike: bool, whether the latest step was skipped as a spike.
       total_spikes: int32, steps skipped as spikes so far (saturates).
+      consecutive_spikes: int32, spikes in a row, ending with the latest
+        (the statistics restart at ``patience``).
     """
 
     count: jax.Array
@@ -99,6 +115,7 @@ class SpikeState(NamedTuple):
     loss_var: jax.Array
     spike: jax.Array
     total_spikes: jax.Array
+    consecutive_spikes: jax.Array
 
 
 def init() -> SpikeState:
@@ -112,6 +129,38 @@ def init() -> SpikeState:
         loss_var=jnp.asarray(f32(0)),
         spike=jnp.asarray(np.bool_(False)),
         total_spikes=jnp.asarray(i32(0)),
+        consecutive_spikes=jnp.asarray(i32(0)),
+    )
+
+
+def _restarted(state: SpikeState) -> SpikeState:
+    """The statistics with a fresh start (the counters of spikes kept)."""
+    fresh = init()
+    return fresh._replace(
+        spike=state.spike,
+        total_spikes=state.total_spikes,
+        consecutive_spikes=state.consecutive_spikes,
+    )
+
+
+def sanitized(state: SpikeState) -> SpikeState:
+    """``state``, or a fresh start of its statistics if they cannot be right.
+
+    A state can arrive from a checkpoint or a user's hand: a mean or
+    variance that is not finite, a negative variance or count would switch
+    the rule off for good (``x > nan`` is False). Counters below 0 read as 0.
+    """
+    ok = state.count >= 0
+    for x in (state.norm_mean, state.loss_mean):
+        ok = ok & jnp.isfinite(x)
+    for x in (state.norm_var, state.loss_var):
+        ok = ok & jnp.isfinite(x) & (x >= 0)
+    fresh = _restarted(state)
+    state = jax.tree.map(lambda s, f: jnp.where(ok, s, f), state, fresh)
+    zero = jnp.int32(0)
+    return state._replace(
+        total_spikes=jnp.maximum(state.total_spikes, zero),
+        consecutive_spikes=jnp.maximum(state.consecutive_spikes, zero),
     )
 
 
@@ -145,10 +194,13 @@ def is_spike(rule: SpikeRule, state: SpikeState, norm: Any, loss: Any) -> jax.Ar
     An outlier once ``warmup`` applied steps fed the statistics; a watched
     loss that is not finite (inf or nan, with finite gradients) at any time.
     A non-finite norm is the finite check's business, not a spike.
+    ``state`` is `sanitized` first.
     """
+    state = sanitized(state)
     spike = jnp.asarray(False)
     if rule.watches_norm:
-        spike = spike | _outlier(rule, norm, state.norm_mean, state.norm_var)
+        outlier = _outlier(rule, norm, state.norm_mean, state.norm_var)
+        spike = spike | (outlier & jnp.isfinite(norm))
     if rule.watches_loss:
         spike = spike | _outlier(rule, loss, state.loss_mean, state.loss_var)
     spike = (state.count >= jnp.int32(rule.warmup)) & spike
@@ -179,8 +231,9 @@ def advance(
 
     Only an applied step whose watched values are finite feeds them (with
     ``skip_nonfinite=False`` a non-finite step is applied, and would poison
-    them for good).
+    them for good). The ``patience``-th spike in a row restarts them.
     """
+    state = sanitized(state)
     count = jnp.asarray(optax.safe_increment(state.count))
     alpha = jnp.maximum(1 / count.astype(jnp.float32), jnp.float32(1 / rule.window))
     new = state
@@ -197,9 +250,15 @@ def advance(
     if rule.watches_loss:
         feeds = feeds & jnp.isfinite(loss)
     kept = jax.tree.map(lambda n, o: jnp.where(feeds, n, o), new, state)
-    return kept._replace(
+    run = jnp.where(spike, optax.safe_increment(state.consecutive_spikes), 0)
+    kept = kept._replace(
         spike=spike,
         total_spikes=jnp.where(
             spike, optax.safe_increment(state.total_spikes), state.total_spikes
         ),
+        consecutive_spikes=run,
     )
+    # A run of `patience` spikes: the level moved; learn it again.
+    restart = run >= jnp.int32(rule.patience)
+    fresh = _restarted(kept)._replace(consecutive_spikes=jnp.int32(0))
+    return jax.tree.map(lambda f, k: jnp.where(restart, f, k), fresh, kept)

@@ -1,9 +1,10 @@
 """The states, and reading and writing them inside any optax state.
 
-`LossScaleState` is the whole dynamic part of loss scaling: one float32 scale
-and six int32 counters. Every scaler (dynamic, static, none) uses the same
-state type, so switching scalers never changes a checkpoint's structure and
-never retraces a train step. `WrapperState` is the state of a
+`LossScaleState` is the whole dynamic part of loss scaling: one float32 scale,
+int32 counters and the measured rule's float32 ``headroom``. Every scaler
+(dynamic, measured, static, none) uses the same state type, so switching
+scalers never changes a checkpoint's structure and never retraces a train
+step. `WrapperState` is the state of a
 `jls.loss_scaling` transformation: a `LossScaleState`, the inner optimizer's
 state and the optional diagnostics.
 
@@ -13,6 +14,7 @@ Everything that finds a state inside a user's optimizer state (``optax.chain``,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -117,6 +119,24 @@ def _unwrap(leaf: Any) -> Any:
     return getattr(leaf, "value", leaf)
 
 
+def _is_boxed(x: Any) -> bool:
+    """Whether ``x`` is a flax ``nnx.Variable``-like box around an array."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return False
+    return callable(getattr(x, "get_value", None)) or hasattr(x, "value")
+
+
+def plain(tree: Any) -> Any:
+    """``tree`` with flax ``nnx`` boxes and ``State`` mappings made plain.
+
+    An ``nnx.Optimizer``'s state holds every array in a variable; what jls
+    returns from it (metrics, paths) is plain arrays in plain dicts.
+    """
+    if isinstance(tree, Mapping):  # nnx.State is a Mapping, not a dict
+        return {key: plain(value) for key, value in tree.items()}
+    return jax.tree.map(_unwrap, tree, is_leaf=_is_boxed)
+
+
 def check_state(
     state: Any, *, argname: str = "state", batched: bool = False
 ) -> LossScaleState:
@@ -205,18 +225,66 @@ def find_one(opt_state: Any, kind: type, what: str, hint: str) -> Any:
     if len(found) != 1:
         raise ValueError(
             f"opt_state must contain exactly one {what}, found "
-            f"{len(found) or 'no'}. {hint}"
+            f"{len(found) or 'none'}. {hint}"
         )
     return found[0]
+
+
+def _children(node: Any) -> list[Any]:
+    """``node``'s direct pytree children (empty for a leaf)."""
+    children = jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+    return [] if len(children) == 1 and children[0] is node else children
+
+
+def _holds_scale(node: Any) -> bool:
+    found = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, LossScaleState))
+    return any(isinstance(x, LossScaleState) for x in found)
+
+
+def _is_transform_state(node: Any) -> bool:
+    """An optax transformation's state: a NamedTuple, or a chain's tuple of them."""
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return True
+    return type(node) is tuple and bool(node) and all(map(_is_transform_state, node))
+
+
+def _check_not_chained(opt_state: Any) -> None:
+    """Refuses a `jls.loss_scaling` state inside ``optax.chain`` beside others.
+
+    ``optax.chain``'s state is a plain tuple of its members' states. A member
+    before ``loss_scaling`` sees the scaled gradients (a clip by global norm
+    then clips 2**15 times too hard and training is silently slow); one after
+    it keeps changing the parameters on skipped steps.
+    """
+    todo = [opt_state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, LossScaleState):
+            continue
+        if type(node) is tuple and len(node) > 1:
+            holders = [c for c in node if _holds_scale(c)]
+            others = [c for c in node if not _holds_scale(c)]
+            if holders and any(map(_is_transform_state, others)):
+                raise ValueError(
+                    "opt_state is the state of optax.chain(..., "
+                    "jls.loss_scaling(inner), ...): the transformations chained "
+                    "before loss_scaling see the scaled gradients (a clip by "
+                    "global norm clips loss-scale times too hard) and those "
+                    "after it change the parameters on skipped steps. Put them "
+                    "inside: jls.loss_scaling(optax.chain(optax.clip_by_global_"
+                    "norm(1.0), inner), scaler)"
+                )
+        todo.extend(_children(node))
 
 
 def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState:
     """Finds the one `LossScaleState` inside a (nested) optax state.
 
-    Works through ``optax.chain``, ``optax.MultiSteps``,
-    ``optax.inject_hyperparams``, ``optax.masked`` and flax optimizer states,
-    in either nesting order. Leaves boxed in flax ``nnx`` variables are
-    unwrapped.
+    Works through ``optax.MultiSteps``, ``optax.inject_hyperparams``,
+    ``optax.masked`` and flax optimizer states, in either nesting order.
+    Leaves boxed in flax ``nnx`` variables are unwrapped. A state of
+    ``optax.chain`` with ``loss_scaling`` beside other transformations is
+    refused: they belong inside ``loss_scaling``.
 
     Args:
       opt_state: an optimizer state, or a `LossScaleState` itself.
@@ -228,15 +296,18 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
       The `LossScaleState`.
 
     Raises:
-      ValueError: if ``opt_state`` holds no `LossScaleState`, or more than one.
+      ValueError: if ``opt_state`` holds no `LossScaleState`, or more than one,
+        or is ``optax.chain``'s state with other transformations beside
+        ``loss_scaling``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> tx = optax.chain(optax.clip(1.0), jls.loss_scaling(optax.sgd(0.1)))
+      >>> tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(0.1)), 4)
       >>> state = tx.init({"w": jnp.zeros(3)})
       >>> jls.loss_scale_state(state).scale
       Array(32768., dtype=float32)
     """
+    _check_not_chained(opt_state)
     state = find_one(
         opt_state,
         LossScaleState,
@@ -351,13 +422,17 @@ def set_loss_scale(
     """
     from jls._scaler import LossScaler  # the scaler module builds on this one
 
+    if isinstance(scale, (LossScaleState, WrapperState)) or isinstance(
+        opt_state, (int, float)
+    ):
+        raise TypeError(
+            "set_loss_scale(opt_state, scale): the arguments are swapped (the "
+            "state comes first)"
+        )
     reset_counters = flag("reset_counters", reset_counters)
     if scaler is not None and not isinstance(scaler, LossScaler):
         raise TypeError(f"scaler must be a jls.LossScaler or None, got {scaler!r:.200}")
     old = loss_scale_state(opt_state)
-    low, high = F32_TINY, F32_MAX
-    if scaler is not None:
-        low, high = scaler.min_scale_f32, scaler.max_scale_f32
     if isinstance(scale, Tracer):
         if scale.shape != () or not (
             jnp.issubdtype(scale.dtype, jnp.floating)
@@ -368,10 +443,15 @@ def set_loss_scale(
                 f"{scale.dtype} and shape {scale.shape}"
             )
         value = scale.astype(jnp.float32)
-        ok = (value >= np.float32(low)) & (value <= np.float32(high))
+        if scaler is None:
+            ok = (value >= np.float32(F32_TINY)) & (value <= np.float32(F32_MAX))
+        else:
+            ok = scaler.in_range(value)
         new_scale = jnp.where(ok, value, old.scale)
+    elif scaler is None:
+        new_scale = jnp.asarray(np.float32(scale_in("scale", scale, F32_TINY, F32_MAX)))
     else:
-        new_scale = jnp.asarray(np.float32(scale_in("scale", scale, low, high)))
+        new_scale = jnp.asarray(np.float32(scaler.check_scale("scale", scale)))
     if reset_counters:
         if scaler is None:
             raise ValueError(
@@ -446,15 +526,16 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     }
     wrappers = find(opt_state, WrapperState)
     if len(wrappers) == 1:
-        if wrappers[0].nonfinite_leaves is not None:
-            out["nonfinite_leaves"] = wrappers[0].nonfinite_leaves
-        if wrappers[0].diverged is not None:
-            out["diverged"] = wrappers[0].diverged
-        if wrappers[0].gradient_norm is not None:
-            out["gradient_norm"] = wrappers[0].gradient_norm
-        if wrappers[0].spikes is not None:
-            out["spike"] = wrappers[0].spikes.spike
-            out["total_spikes"] = wrappers[0].spikes.total_spikes
+        wrapper = wrappers[0]
+        if wrapper.nonfinite_leaves is not None:
+            out["nonfinite_leaves"] = plain(wrapper.nonfinite_leaves)
+        if wrapper.diverged is not None:
+            out["diverged"] = plain(wrapper.diverged)
+        if wrapper.gradient_norm is not None:
+            out["gradient_norm"] = plain(wrapper.gradient_norm)
+        if wrapper.spikes is not None:
+            out["spike"] = plain(wrapper.spikes.spike)
+            out["total_spikes"] = plain(wrapper.spikes.total_spikes)
     return out
 
 
@@ -496,6 +577,6 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
         )
     return [
         jax.tree_util.keystr(path)
-        for path, flag in jax.tree_util.tree_flatten_with_path(flags)[0]
+        for path, flag in jax.tree_util.tree_flatten_with_path(plain(flags))[0]
         if bool(np.any(np.asarray(flag)))
     ]

@@ -139,6 +139,11 @@ def train_step(
       >>> float(out.loss), bool(out.skipped), float(out.loss_scale)
       (1.0, False, 1024.0)
     """
+    if isinstance(loss_fn, (optax.GradientTransformation, LossScaling)):
+        raise TypeError(
+            "train_step(loss_fn, tx): loss_fn is an optax transformation; the "
+            "arguments are swapped"
+        )
     scaling = LossScaling.of(tx)
     has_aux = flag("has_aux", has_aux)
     max_retries = integer("max_retries", max_retries, 0)
@@ -163,6 +168,14 @@ def train_step(
             raise TypeError(
                 f"loss_fn must return a scalar loss{hint}; has_aux={has_aux} and "
                 f"it returned {type(loss).__name__}: {loss!r:.200}"
+            )
+        dtype = jnp.result_type(loss)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"loss_fn must return a floating loss, got dtype {dtype}: a "
+                "bool or integer loss has no gradient (jax would differentiate a "
+                "float32 copy of it and every gradient would be 0). Compute the "
+                "loss in floating point, e.g. jnp.mean(errors.astype(jnp.float32))"
             )
         return loss, aux
 

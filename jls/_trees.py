@@ -38,3 +38,32 @@ def merge(kept: Any, rest: Any) -> Any:
         rest,
         is_leaf=lambda x: x is None,
     )
+
+
+def split_frozen(params: Any, grads: Any) -> tuple[Any, Any]:
+    """``(params that have a gradient, params whose gradient is None)``.
+
+    A ``None`` gradient means "not trained" (equinox's ``filter_spec``
+    partitions, ``eqx.apply_updates``): such parameters pass by unchanged.
+
+    Raises:
+      TypeError: if ``grads`` does not have the structure of ``params``.
+    """
+
+    def is_none(x: Any) -> bool:
+        return x is None
+
+    try:
+        trained = jax.tree.map(
+            lambda g, p: None if g is None else p, grads, params, is_leaf=is_none
+        )
+        frozen = jax.tree.map(
+            lambda g, p: p if g is None else None, grads, params, is_leaf=is_none
+        )
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            "grads must have the structure of params (None for a parameter that "
+            f"is not trained): {jax.tree.structure(grads, is_leaf=is_none)} "
+            f"against {jax.tree.structure(params, is_leaf=is_none)} ({err})"
+        ) from None
+    return trained, frozen

@@ -73,12 +73,9 @@ class TrainState(train_state.TrainState):
         # check does); only the trainable gradients are unscaled, stepped and
         # measured (fp8 scales and amax values do not scale with the loss).
         loss_scale = scaling.check_state(self.opt_state).loss_scale
-        decision = scaling.decide(trainable, loss_scale)
-        if fp8:
-            ok = jls.all_finite(grads[OVERWRITE_WITH_GRADIENT])
-            finite = decision.finite & ok
-            apply = finite if scaling.scaler.skip_nonfinite else decision.apply
-            decision = decision._replace(finite=finite, apply=apply)
+        # The fp8 values join the check before the replicas agree on it.
+        fp8_values = grads[OVERWRITE_WITH_GRADIENT] if fp8 else None
+        decision = scaling.decide(trainable, loss_scale, also_finite=fp8_values)
         extra = {} if loss is None else {"loss": loss}
         new_params, opt_state = scaling.apply_gradients(
             trainable, self.opt_state, params, decision, **extra

@@ -459,6 +459,7 @@ def test_7_no_state_made_by_jls_aliases_a_buffer():
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.filterwarnings("ignore:every gradient is bfloat16")
 def test_8_negative_zero_params_survive_a_skip(path, dtype):
     params = {"w": jnp.array([-0.0, 0.0, -1.5, jnp.inf, -jnp.inf], dtype)}
     tx = jls.loss_scaling(optax.adam(1e-3))
@@ -853,3 +854,73 @@ def test_one_trace_for_any_scale_and_counters():
         if i == 10:
             state = jls.set_loss_scale(state, 64.0)
         params, state = step(params, state, g)
+
+
+@pytest.mark.parametrize("k", [2, 3, 8, 16])
+def test_6_the_accumulation_bound_holds_at_its_limit(k):
+    # The documented bound: an accumulated mean may be reported non-finite
+    # only within a factor 1 + k * 2**-23 of the float32 maximum. Just below
+    # it, with micro-batches that differ (so the additions round), the step
+    # is applied.
+    mean = np.float32(F32_MAX / (1 + k * 2.0**-23))
+    n = 4 * k
+    # Rows a few ulps apart (at most the bound), so that the additions round.
+    rows = np.array([mean] * n, np.float32)
+    for i in range(n):
+        for _ in range(i % 4):
+            rows[i] = np.nextafter(rows[i], np.float32(0))
+    assert rows.astype(np.float64).mean() > 0.99999 * float(mean)
+
+    def loss_fn(p, x):  # the mean over the rows
+        return jnp.sum(p * jnp.sum(x / x.shape[0], axis=0))
+
+    tx = jls.loss_scaling(optax.sgd(1e-38), jls.static_scale(1.0))
+    batch = jnp.asarray(np.stack([rows, rows], axis=1))
+    params = jnp.zeros(2)
+    accum = jax.jit(jls.train_step(loss_fn, tx, accumulation_steps=k))
+    _, _, out = accum(params, tx.init(params), batch)
+    assert not bool(out.skipped)
+
+
+def test_consecutive_nonfinite_saturates_at_int32_max():
+    top = np.iinfo(np.int32).max
+    scaler = jls.dynamic_scale()
+    state = scaler.init()._replace(consecutive_nonfinite=jnp.int32(top))
+    state = jax.jit(scaler.adjust)(state, jnp.asarray(False))
+    assert int(state.consecutive_nonfinite) == top
+    state = jax.jit(scaler.adjust)(state, jnp.asarray(True))
+    assert int(state.consecutive_nonfinite) == 0
+
+
+def test_bool_and_integer_leaves_pass_through_unscale():
+    state = jls.static_scale(8.0).init()
+    tree = {"mask": jnp.array([True, False]), "n": jnp.int32(3), "w": jnp.ones(2) * 8}
+    out = jax.jit(jls.unscale)(tree, state)
+    assert out["mask"].dtype == jnp.bool_ and out["mask"].tolist() == [True, False]
+    assert out["n"].dtype == jnp.int32 and int(out["n"]) == 3
+    assert out["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "bad", [2.0**20, 0.5, 1e-45, float("nan"), float("inf"), -4.0, 0.0]
+)
+def test_2_a_traced_scale_outside_the_range_or_subnormal_is_kept_out(bad):
+    scaler = jls.dynamic_scale(2.0**8, max_scale=2.0**16)  # min_scale=1
+    tx = jls.loss_scaling(optax.sgd(0.1), scaler)
+    state = tx.init(jnp.zeros(2))
+    new = jax.jit(lambda s, v: jls.set_loss_scale(s, v, scaler=scaler))(
+        state, jnp.float32(bad)
+    )
+    assert float(jls.metrics(new)["loss_scale"]) == 2.0**8
+    # Without a scaler the float32 normal range is the bound.
+    new = jax.jit(lambda s, v: jls.set_loss_scale(s, v))(state, jnp.float32(bad))
+    ok = np.isfinite(bad) and bad >= np.finfo(np.float32).tiny
+    assert float(jls.metrics(new)["loss_scale"]) == (bad if ok else 2.0**8)
+
+
+def test_diagnostics_refuse_gradients_of_another_structure():
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    tx = jls.loss_scaling(optax.sgd(0.1), diagnostics=True)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="must have the structure of the parameters"):
+        tx.update({"a": jnp.ones(2), "b": jnp.ones(2), "c": jnp.ones(1)}, state, params)

@@ -38,7 +38,10 @@ def test_short_run_prints_the_table_and_writes_the_files(tmp_path, capsys):
     assert list(by_mode) == list(demo.MODES)
     for row in rows:
         assert row["steps"] == 30
-        assert math.isfinite(row["final_loss"]) and row["final_loss"] < 2.31
+        # Untrained, the loss is ln 10 = 2.303; every mode that trains gets
+        # below 0.1 in 30 steps (measured 0.03-0.05), a mode that skipped
+        # every step would not.
+        assert math.isfinite(row["final_loss"]) and row["final_loss"] < 0.1
         assert 0.0 <= row["test_accuracy"] <= 1.0
         assert 0.0 <= row["underflow_mean"] <= 1.0
         assert row["seconds"] >= 0.0
@@ -141,8 +144,11 @@ def test_the_demo_shows_the_problem_and_the_fix():
     assert f16["underflow_final"] > 0.3
     assert scaled["underflow_final"] < 0.01
     assert bf16["underflow_final"] < 0.001  # bfloat16 has float32's range
-    assert f16["final_loss"] > 1.5 * f32["final_loss"]
-    assert abs(scaled["final_loss"] - f32["final_loss"]) < 0.1 * f32["final_loss"]
+    # "Several times" float32's loss (measured 2.92x at 800 steps), and
+    # "within a few percent" with jls (measured 0.4%; bfloat16 without any
+    # scaling lands 9.5% away, so 2% tells them apart).
+    assert f16["final_loss"] > 2.5 * f32["final_loss"]
+    assert abs(scaled["final_loss"] - f32["final_loss"]) < 0.02 * f32["final_loss"]
     assert scaled["final_scale"] > 2.0**24  # it had to grow to get there
     assert np.isfinite([r["final_loss"] for r in rows.values()]).all()
 

@@ -157,4 +157,53 @@ def test_data_parallel_example_runs(tmp_path):
     )
     assert "8 devices" in out
     assert "step   3  loss scale     2048  skipped True   total skips 1" in out
-    assert "saved and restored" in out
+    assert "saved and restored" in out and "bitwise equal" in out
+
+
+@pytest.fixture(scope="module")
+def agreement():
+    return json.loads(_run([DIST / "agreement.py"], 4).strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "case", ["vmaTrue_namedNone", "vmaTrue_namedx", "vmaFalse_namedx"]
+)
+def test_the_norm_of_a_sharded_gradient_is_the_global_norm(agreement, case):
+    # Sums of squares over a sharded axis are added, named or not, with or
+    # without jax recording the varying axes.
+    got = agreement["norm"]["got"][case]
+    np.testing.assert_allclose(got, [agreement["norm"]["true"]] * 4, rtol=1e-6)
+
+
+def test_without_vma_an_unnamed_axis_is_invisible(agreement):
+    # Documented: under check_vma=False jax records nothing, so every axis
+    # the gradients are sharded over must be named; unnamed, each shard
+    # reports its own norm.
+    got = agreement["norm"]["got"]["vmaFalse_namedNone"]
+    assert len(set(got)) == 4 and max(got) < agreement["norm"]["true"]
+
+
+@pytest.mark.parametrize("mode", ["pmap", "vmap"])
+def test_averaged_replicas_report_their_own_norm(agreement, mode):
+    np.testing.assert_allclose(
+        agreement["dp"][mode], [agreement["dp"]["true"]] * 4, rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_shards_over_an_unnamed_axis_agree_on_skip_and_diagnostics(agreement, norm):
+    r = agreement["unnamed"][f"norm{norm}"]
+    assert r["skipped"] == [True] * 4
+    assert r["scales"] == [8.0] * 4
+    # Only "w" had the nan (on one shard), and every shard says so.
+    assert r["flags"] == [[False, False, True]] * 4
+    assert r["unchanged"]
+
+
+def test_a_loss_watching_rule_feeds_every_replica_the_mean_loss(agreement):
+    r = agreement["loss_rule"]
+    assert r["stats_equal"]
+    # The mean over replicas of 1 + 0.1 i + 0.05 r, averaged over 6 steps.
+    want = np.mean([1.0 + 0.1 * i + 0.05 * np.mean(range(4)) for i in range(6)])
+    assert r["loss_mean"] == pytest.approx(want, rel=1e-6)
+    assert r["shard_map_mean"] == 2.5

@@ -151,3 +151,48 @@ def test_integer_and_function_leaves_of_a_plain_tree_pass_by():
     new, _ = jls.apply_gradients(tx, grads, opt_state, params)
     np.testing.assert_array_equal(new["w"], [0.5, 0.5])
     assert new["n"] is params["n"] and new["f"] is jnp.tanh
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_frozen_arrays_with_none_gradients_pass_by(fused):
+    # The documented equinox way to freeze part of a model: eqx.partition
+    # with a filter_spec, so the frozen arrays' gradients are None. None
+    # means "unchanged", as eqx.apply_updates treats it.
+    model = Model(jax.random.key(0))
+    spec = jax.tree.map(lambda _: False, model)
+    last = model.mlp.layers[-1]
+    spec = eqx.tree_at(
+        lambda m: (m.mlp.layers[-1].weight, m.mlp.layers[-1].bias),
+        spec,
+        replace=(True, True),
+    )
+    tx = jls.loss_scaling(optax.adam(1e-2), jls.static_scale(4.0))
+    opt_state = tx.init(eqx.filter(model, spec))
+
+    @eqx.filter_jit
+    def step(model, opt_state, x):
+        trained, frozen = eqx.partition(model, spec)
+
+        def loss(t):
+            m = eqx.combine(t, frozen)
+            return jls.scale_loss(jnp.mean((jax.vmap(m)(x) - Y) ** 2), opt_state)
+
+        grads = eqx.filter_grad(loss)(trained)
+        if fused:
+            return jls.apply_gradients(tx, grads, opt_state, model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, spec))
+        return eqx.apply_updates(model, updates), opt_state
+
+    new, _ = step(model, opt_state, X)
+    for i, layer in enumerate(model.mlp.layers[:-1]):
+        chex.assert_trees_all_equal(new.mlp.layers[i], layer)
+    assert not np.array_equal(new.mlp.layers[-1].weight, last.weight)
+    assert new.scale == model.scale
+
+
+def test_gradients_of_another_structure_are_refused_by_name():
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="grads must have the structure of params"):
+        jls.apply_gradients(tx, {"a": jnp.ones(2)}, state, params)

@@ -146,3 +146,59 @@ def test_fp8_state_is_overwritten_on_applied_steps_only(finite):
         chex.assert_trees_all_equal(new.params, variables)
         assert int(new.step) == 0
         np.testing.assert_array_equal(jls.metrics(new.opt_state)["total_skips"], 1)
+
+
+def test_fp8_values_join_the_replicas_decision():
+    # A non-finite amax on one replica must make every replica skip: the
+    # fp8 values' flag is reduced over axis_name with the gradients'.
+    model = Fp8Model()
+    variables = model.init(jax.random.key(0), X)
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(8.0), axis_name="r")
+    state = jls.flax.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+
+    def grads_for(v, x):
+        def scaled(v):
+            return jls.scale_loss(
+                jnp.mean((model.apply(v, x) - Y) ** 2), state.opt_state
+            )
+
+        return jax.grad(scaled)(v)
+
+    xs = jnp.stack([X, X.at[0, 0].set(jnp.inf)])  # replica 1 overflows
+    grads = jax.vmap(grads_for, in_axes=(None, 0))(variables, xs)
+    owg = fp8_ops.OVERWRITE_WITH_GRADIENT
+    assert bool(jls.all_finite(grads["params"]))
+    assert not bool(jls.all_finite(jax.tree.map(lambda g: g[1], grads[owg])))
+    assert bool(jls.all_finite(jax.tree.map(lambda g: g[0], grads[owg])))
+    states = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+    new = jax.vmap(lambda s, g: s.apply_gradients(grads=g), axis_name="r")(
+        states, grads
+    )
+    assert np.asarray(new.step).tolist() == [0, 0]
+    chex.assert_trees_all_equal(new.params, states.params)
+    assert np.asarray(jls.metrics(new.opt_state)["skipped"]).tolist() == [True, True]
+
+
+def test_metrics_of_an_nnx_optimizer_are_plain_arrays():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    tx = jls.loss_scaling(
+        optax.sgd(0.1),
+        gradient_norm=True,
+        diagnostics=True,
+        max_consecutive_skips=3,
+        skip_spikes=jls.SpikeRule(),
+    )
+    optimizer = jls.flax.Optimizer(model, tx, wrt=nnx.Param)
+
+    def loss(m):
+        return jls.scale_loss(m(jnp.ones((1, 2))).sum() * jnp.inf, optimizer.opt_state)
+
+    optimizer.update(model, nnx.grad(loss)(model))
+    m = jls.metrics(optimizer.opt_state)
+    for key, value in m.items():
+        for leaf in jax.tree.leaves(value):
+            assert isinstance(leaf, jax.Array), (key, type(leaf))
+    assert isinstance(m["nonfinite_leaves"], dict)
+    assert bool(m["skipped"]) and not bool(m["spike"]) and not bool(m["diverged"])
+    assert f"{m['gradient_norm']:.3f}" == "inf"
+    assert jls.nonfinite_paths(optimizer.opt_state) == ["['bias']", "['kernel']"]

@@ -193,7 +193,7 @@ def test_the_check_measures_each_reduction_and_the_norm():
     rms = max(np.sqrt(np.mean(as64[0] ** 2)), np.sqrt(np.mean(group**2)))
     np.testing.assert_allclose(float(m.magnitude), rms, rtol=1e-6)
     np.testing.assert_allclose(
-        float(m.sum_squares), sum(float((x**2).sum()) for x in as64), rtol=1e-6
+        float(m.low), sum(float((x**2).sum()) for x in as64), rtol=1e-6
     )
     assert bool(m.finite)
 
@@ -221,11 +221,22 @@ def test_a_fused_producer_that_rounds_to_inf_is_seen():
     assert bool(check(a, jnp.ones_like(a)))
 
 
-def test_a_sum_of_squares_past_float32_counts_as_nonfinite():
-    # Documented: finite values whose squares overflow make the norm inf.
-    x = jnp.full((4,), 1e20, jnp.float32)
-    m = leaves_squares([x])
-    assert not bool(m.finite) and float(m.sum_squares) == np.inf
+@pytest.mark.parametrize("value", [1e20, 1e30, 3e38])
+def test_finite_values_whose_squares_overflow_are_finite(value):
+    # The plain sum of squares overflows float32; the shrunk second pass
+    # (taken only then) proves the values finite and measures them.
+    x = jnp.full((4,), value, jnp.float32)
+    m = jax.jit(leaves_squares)([x])
+    assert bool(m.finite) and float(m.low) == np.inf
+    np.testing.assert_allclose(float(m.magnitude), value, rtol=1e-6)
+    want = 2 * value  # the norm of four equal values
+    got = float(jls._finite.unscaled_norm(m, jnp.float32(1.0)))
+    if want < float(F32_MAX):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    else:
+        assert got == np.inf
+    bad = x.at[2].set(jnp.inf)
+    assert not bool(jax.jit(leaves_squares)([bad]).finite)
 
 
 # Through loss_scaling: the norm metric, skips, one trace --------------------------
@@ -550,9 +561,12 @@ def test_the_scale_stays_a_power_of_two_under_any_max_scale():
     for _ in range(3):
         state = scaler.adjust(state, True, magnitude=jnp.float32(0))
     assert float(state.scale) == 512.0
-    big = jls.measured_scale(init_scale=2.0**126)
+    big = jls.measured_scale(init_scale=2.0**126, max_scale=float(F32_MAX))
     state = big.adjust(big.init(), True, magnitude=jnp.float32(0))
     assert float(state.scale) == 2.0**127
+    default = jls.measured_scale(init_scale=2.0**126)  # max_scale=2**126
+    state = default.adjust(default.init(), True, magnitude=jnp.float32(0))
+    assert float(state.scale) == 2.0**126
 
 
 @pytest.mark.parametrize("bad", [np.inf, 2.0**80])
@@ -592,3 +606,217 @@ def test_framework_state_dicts_refuse_the_measured_rule():
     scaler = jls.measured_scale()
     with pytest.raises(ValueError, match="measured_scale"):
         jls.presets.to_torch_state_dict(scaler, scaler.init())
+
+
+# jls 0.3 promises: powers of two whatever the configuration ----------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"backoff_factor": 0.75}, "backoff_factor"),
+        ({"max_growth": 3.0}, "max_growth"),
+        ({"init_scale": 1000.0}, "init_scale"),
+        ({"min_scale": 3.0}, "min_scale"),
+    ],
+)
+def test_configurations_that_leave_the_powers_of_two_are_refused(kwargs, name):
+    value = next(iter(kwargs.values()))
+    with pytest.raises(ValueError, match=rf"{name} must be a power of two.*{value}"):
+        jls.measured_scale(**kwargs)
+
+
+def test_a_scale_set_by_hand_is_a_power_of_two_or_refused():
+    scaler = jls.measured_scale()
+    tx = jls.loss_scaling(optax.sgd(1.0), scaler)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"scale must be a power of two.*1000"):
+        jls.set_loss_scale(state, 1000.0, scaler=scaler)
+    # Traced, it cannot be refused: the old scale stays.
+    kept = jax.jit(lambda s, v: jls.set_loss_scale(s, v, scaler=scaler))(state, 1e3)
+    assert float(jls.metrics(kept)["loss_scale"]) == 2.0**15
+    # Without the scaler (or from a checkpoint) it reaches the state: the step
+    # at it is never applied (its unscaling would not be exact), and every
+    # later scale is a power of two.
+    state = jls.set_loss_scale(state, 1000.0)
+    update = jax.jit(tx.update)
+    updates, state = update({"w": jnp.full(3, 1000.0)}, state, params)
+    assert bool(jls.metrics(state)["skipped"])
+    np.testing.assert_array_equal(updates["w"], np.zeros(3))
+    for _ in range(20):
+        scale = float(jls.metrics(state)["loss_scale"])
+        assert np.frexp(scale)[0] == 0.5, scale
+        _, state = update({"w": jnp.full(3, scale)}, state, params)
+        assert not bool(jls.metrics(state)["skipped"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    start=st.floats(1.0, 2.0**60),
+    headroom=st.floats(0.0, 2.0**70),
+    steps=steps,
+)
+def test_scales_and_headroom_from_any_state_become_powers_of_two(
+    start, headroom, steps
+):
+    scaler = jls.measured_scale(2.0**4, history=3)
+    state = scaler.init()._replace(
+        scale=jnp.float32(start), headroom=jnp.float32(headroom)
+    )
+    adjust = jax.jit(scaler.adjust)
+    for finite, log2m in steps:
+        m = jnp.float32(2.0**log2m * 1.37)
+        state = adjust(state, jnp.asarray(finite), magnitude=m)
+        assert np.frexp(state.scale.item())[0] == 0.5, state
+        assert np.frexp(state.headroom.item())[0] == 0.5, state
+
+
+# jls 0.3 promises: a finite step is never reported non-finite --------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dtype=st.sampled_from([jnp.float16, jnp.bfloat16, jnp.float32]),
+    sizes=st.lists(
+        st.sampled_from([1, 7, 300, SMALL_LEAF + 3]), min_size=1, max_size=4
+    ),
+    log2_magnitude=st.integers(-24, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_the_measured_scaler_never_skips_a_finite_step(
+    dtype, sizes, log2_magnitude, seed
+):
+    # The scaled gradients are the true ones times the scale, rounded to the
+    # compute dtype (as a backward pass in that dtype makes them): whenever
+    # they are finite, the step must be applied, whatever scale the rule
+    # has driven them to.
+    rng = np.random.default_rng(seed)
+    true = [
+        (rng.standard_normal(n) * 2.0**log2_magnitude).astype(np.float32) for n in sizes
+    ]
+    scaler = jls.measured_scale(dtype=dtype)
+    tx = jls.loss_scaling(optax.sgd(0.0), scaler)
+    params = [jnp.zeros(n) for n in sizes]
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for _ in range(40):
+        scale = np.float32(jls.metrics(state)["loss_scale"])
+        with np.errstate(over="ignore"):
+            scaled = [jnp.asarray((t * scale).astype(np.float32), dtype) for t in true]
+        finite = all(bool(jnp.all(jnp.isfinite(g))) for g in scaled)
+        _, state = update(scaled, state, params)
+        assert bool(jls.metrics(state)["skipped"]) == (not finite), scale
+
+
+@pytest.mark.parametrize("scale", [2.0**70, 2.0**100, 2.0**126])
+def test_the_gradient_norm_never_skips_a_finite_step(scale):
+    # Unscaled norm 1 at a large scale: the scaled squares overflow float32.
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(scale), gradient_norm=True)
+    params = {"w": jnp.zeros((4, 4))}
+    grads = {"w": jnp.full((4, 4), 0.25 * scale, jnp.float32)}
+    for fused in (False, True):
+        state = tx.init(params)
+        if fused:
+            _, state = jax.jit(lambda g, s, p: jls.apply_gradients(tx, g, s, p))(
+                grads, state, params
+            )
+        else:
+            _, state = jax.jit(tx.update)(grads, state, params)
+        m = jls.metrics(state)
+        assert not bool(m["skipped"])
+        assert float(m["gradient_norm"]) == 1.0
+
+
+@pytest.mark.parametrize("value", [1e10, 1e19, 1e30, 8e37])
+def test_the_gradient_norm_does_not_overflow_below_float32_max(value):
+    tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), gradient_norm=True)
+    params = {"w": jnp.zeros((4,)), "b": jnp.zeros((3,))}
+    grads = {"w": jnp.full((4,), value, jnp.float32), "b": jnp.ones(3)}
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    m = jls.metrics(state)
+    assert not bool(m["skipped"])
+    want = np.sqrt(4 * np.float64(value) ** 2 + 3)
+    np.testing.assert_allclose(float(m["gradient_norm"]), want, rtol=1e-6)
+
+
+# jls 0.3 promises: the spike rule ------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_nonfinite_gradient_is_the_checks_business_not_a_spike(bad):
+    # With skip_nonfinite=False such a step is applied, inf and nan alike,
+    # and never counted as a spike; with the default it is skipped, not a spike.
+    rule = jls.SpikeRule(warmup=2, threshold=3.0)
+    params = {"w": jnp.ones(4)}
+    for scaler in (jls.no_scale(skip_nonfinite=False), jls.no_scale()):
+        tx = jls.loss_scaling(optax.sgd(0.0), scaler, skip_spikes=rule)
+        update = jax.jit(tx.update)
+        state = tx.init(params)
+        for i in range(4):  # warm the statistics up
+            _, state = update({"w": jnp.full(4, 1.0 + 0.01 * i)}, state, params)
+        _, state = update({"w": jnp.full(4, 1.0).at[2].set(bad)}, state, params)
+        m = jls.metrics(state)
+        assert not bool(m["spike"]) and int(m["total_spikes"]) == 0
+        assert bool(m["skipped"]) == scaler.skip_nonfinite
+        assert bool(m["nonfinite"])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("norm_mean", np.nan),
+        ("norm_var", np.inf),
+        ("norm_var", -1.0),
+        ("loss_mean", np.inf),
+        ("count", -5),
+    ],
+)
+def test_statistics_from_a_checkpoint_are_not_trusted(field, value):
+    rule = jls.SpikeRule(warmup=3, threshold=3.0, watch="both")
+    tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), skip_spikes=rule)
+    params = {"w": jnp.ones(4)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    bad = state.spikes._replace(
+        **{field: jnp.asarray(value, getattr(state.spikes, field).dtype)}
+    )
+    state = state._replace(spikes=bad)
+    # The rule restarts: it warms up again and then catches a spike.
+    spikes = []
+    for i in range(8):
+        g = 50.0 if i == 7 else 1.0 + 0.01 * i
+        _, state = update(
+            {"w": jnp.full(4, g)}, state, params, loss=jnp.float32(1.0 + 0.01 * i)
+        )
+        spikes.append(bool(jls.metrics(state)["spike"]))
+        for x in jax.tree.leaves(state.spikes):
+            assert np.all(np.isfinite(np.asarray(x, np.float64)))
+    assert spikes == [False] * 7 + [True]
+
+
+@pytest.mark.parametrize("threshold", [1e39, 1e-45, float("inf"), float("nan")])
+def test_a_threshold_float32_cannot_hold_is_refused(threshold):
+    with pytest.raises(ValueError, match="threshold"):
+        jls.SpikeRule(threshold=threshold)
+
+
+def test_the_rule_recovers_when_the_warm_up_saw_one_value():
+    # A loss weighted 0 during warm-up: std 0, so every later larger value
+    # is a spike. After `patience` of them in a row the statistics restart,
+    # learn the new level, and the run goes on.
+    rule = jls.SpikeRule(warmup=5, threshold=6.0, watch="loss", patience=10)
+    tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), skip_spikes=rule)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    skipped = []
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        loss = 0.0 if i < 5 else 2.0 + 0.1 * rng.standard_normal()
+        _, state = update({"w": jnp.ones(2)}, state, params, loss=jnp.float32(loss))
+        skipped.append(bool(jls.metrics(state)["skipped"]))
+    assert skipped[:5] == [False] * 5
+    assert skipped[5:15] == [True] * 10  # the patience
+    assert not any(skipped[15:])  # warm-up again, then the new normal
+    assert int(jls.metrics(state)["total_spikes"]) == 10

@@ -249,12 +249,44 @@ def _whole_gradient_reductions(text: str) -> int:
 )
 def test_measuring_adds_no_pass_over_the_gradients(options):
     # The measured scaler, the norm and the spike rule read their numbers off
-    # the check's own reductions: one per gradient, as the plain check.
+    # the check's own reductions: one per gradient, as the plain check. The
+    # squares' second, shrunk pass sits in a conditional of its own that runs
+    # only when a plain sum of squares overflowed.
     inner = optax.adam(1e-3)
     tx = jls.loss_scaling(inner, **options)
     plain = _hlo(_compile(functools.partial(_plain, inner), inner.init(PARAMS)))
     fused = _hlo(_compile(functools.partial(_fused, tx), tx.init(PARAMS)))
-    assert len(re.findall(r" conditional\(", fused)) == 1
-    assert _whole_gradient_reductions(fused) == (
+    conds = [c for c in re.findall(r"^.* conditional\(.*$", fused, re.M)]
+    fallback = [c for c in conds if "leaves_squares" in c]
+    assert len(conds) == 1 + len(fallback)
+    assert len(fallback) == (0 if not options else 1)
+    in_fallback = 0
+    for line in fallback:
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        assert branches is not None
+        for name in re.findall(r"%([\w.-]+)", branches.group(1)):
+            in_fallback += _whole_gradient_reductions(_reachable(fused, name))
+    assert in_fallback == (0 if not options else LAYERS)
+    assert _whole_gradient_reductions(fused) - in_fallback == (
         _whole_gradient_reductions(plain) + LAYERS
     )
+
+
+def _reachable(text: str, root: str) -> str:
+    """The HLO of computation ``root`` and every computation it calls."""
+    computations = {}
+    for block in re.split(r"\n(?=\S)", text):
+        head = re.match(r"(?:ENTRY )?%([\w.-]+)", block)
+        if head:
+            computations[head.group(1)] = block
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        body = computations[name].split("\n", 1)[-1]
+        todo.extend(re.findall(r"(?:calls|to_apply|body|condition)=%([\w.-]+)", body))
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", body):
+            todo.extend(re.findall(r"%([\w.-]+)", group))
+    return "\n".join(computations[name] for name in sorted(seen))

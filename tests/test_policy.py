@@ -171,3 +171,23 @@ def test_wrap_computes_in_compute_precision_and_differentiates():
     g = jax.grad(loss)(jnp.ones(3), jnp.arange(3.0))
     assert g.dtype == jnp.float32  # the master weights' dtype
     np.testing.assert_array_equal(g, [0.0, 1.0, 2.0])
+
+
+@pytest.mark.parametrize("cast", ["cast_to_param", "cast_to_compute", "cast_to_output"])
+def test_weakly_typed_arrays_become_strong_as_with_jmp(cast):
+    # jnp.asarray(2.0) is a weakly typed float32: jmp casts it (astype makes
+    # it strong), so multiplying it by a float16 array stays float32.
+    weak = jnp.asarray(2.0)
+    assert jax.typeof(weak).weak_type
+    policy = "p=f32,c=f32,o=f32"
+    ours = getattr(jls.get_policy(policy), cast)(weak)
+    theirs = getattr(jmp.get_policy(policy), cast)(weak)
+    assert not jax.typeof(ours).weak_type
+    f16 = jnp.ones(2, jnp.float16)
+    assert (ours * f16).dtype == (theirs * f16).dtype == jnp.float32
+
+    @jax.jit
+    def traced(x):
+        return (getattr(jls.get_policy(policy), cast)(x) * f16).dtype == jnp.float32
+
+    assert traced(weak)

@@ -6,6 +6,7 @@ Also the disabled and fixed modes and bad arguments in the peers' terms.
 # Optax and numpy types are loose here; values are checked at run time.
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -326,7 +327,9 @@ def test_disabled_and_fixed_scalers(scaler, scale, skips):
 
 
 def test_preset_defaults_are_the_peers():
-    assert P.torch() == jls.dynamic_scale(2.0**16, min_scale=F32_TINY)
+    assert P.torch() == jls.dynamic_scale(
+        2.0**16, min_scale=F32_TINY, max_scale=float(np.finfo(np.float32).max)
+    )
     assert P.paddle().init_scale == 65536.0 and P.paddle().growth_interval == 2000
     assert P.mindspore().init_scale == 2.0**24 and P.mindspore().min_scale == 1.0
     assert P.nnabla().init_scale == 8.0 and P.nnabla().growth_interval == 2001
@@ -567,3 +570,124 @@ def test_readme_preset_lines_run():
 def test_errors_name_the_argument_the_user_gave(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize(
+    "scaler, to, fields",
+    [
+        (jls.no_scale(), P.to_torch_state_dict, "growth_factor must be > 1.0"),
+        (jls.static_scale(8.0), P.to_torch_state_dict, "growth_factor must be > 1.0"),
+        (jls.dynamic_scale(hysteresis=2), P.to_torch_state_dict, "hysteresis=2"),
+        (jls.dynamic_scale(hysteresis=2), P.to_paddle_state_dict, "hysteresis=2"),
+        (
+            jls.dynamic_scale(backoff_divisor=3.0),
+            P.to_torch_state_dict,
+            "backoff_divisor",
+        ),
+        (
+            jls.dynamic_scale(backoff_interval=2),
+            P.to_megatron_state_dict,
+            "backoff_interval",
+        ),
+        (jls.presets.deepspeed(), P.to_torch_state_dict, "first_growth_interval"),
+        (jls.presets.flax(), P.to_paddle_state_dict, "saturate_growth"),
+        (jls.no_scale(), P.to_megatron_state_dict, "growth_factor must be > 1.0"),
+    ],
+)
+def test_what_a_format_cannot_hold_is_refused(scaler, to, fields):
+    with pytest.raises(ValueError, match=re.escape(fields)):
+        to(scaler, scaler.init())
+
+
+@pytest.mark.parametrize(
+    "scaler, to, back, kwargs",
+    [
+        (jls.dynamic_scale(), P.to_torch_state_dict, P.from_torch_state_dict, {}),
+        (P.torch(), P.to_torch_state_dict, P.from_torch_state_dict, {}),
+        (jls.static_scale(8.0), P.to_paddle_state_dict, P.from_paddle_state_dict, {}),
+        (
+            P.paddle(decr_every_n_nan_or_inf=3),
+            P.to_paddle_state_dict,
+            P.from_paddle_state_dict,
+            {},
+        ),
+        (
+            jls.dynamic_scale(hysteresis=3, growth_interval=7),
+            P.to_megatron_state_dict,
+            P.from_megatron_state_dict,
+            {"growth_interval": 7, "hysteresis": 3},
+        ),
+    ],
+)
+def test_what_is_exported_reads_back_as_the_same_rule(scaler, to, back, kwargs):
+    state = scaler.adjust(scaler.adjust(scaler.init(), True), False)
+    sd = to(scaler, state)
+    bounds = {"min_scale": scaler.min_scale, "max_scale": scaler.max_scale}
+    again, state2 = back(sd, **kwargs, **bounds)
+    for field in dataclasses.fields(scaler):
+        if field.name not in ("init_scale", "init_growth_count"):
+            assert getattr(again, field.name) == getattr(scaler, field.name), field
+    # The rule's own state (the skip counters are jls's bookkeeping).
+    for name in ("scale", "growth_count", "backoff_count"):
+        assert getattr(state2, name) == getattr(state, name), name
+    assert again.adjust(state2, True).scale == scaler.adjust(state, True).scale
+
+
+# The README's migration table: each row's jls scaler is the row's framework
+# settings (the fragment of its column that sets them, and the peer's
+# defaults for the rest).
+MIGRATION_ROWS = {
+    "PyTorch": (
+        "GradScaler(init_scale=2**16)",
+        {"init_scale": 2.0**16, "growth_interval": 2000, "backoff_factor": 0.5},
+    ),
+    "Paddle": (
+        "GradScaler(init_loss_scaling=1024)",
+        {"init_scale": 1024.0, "growth_interval": 2000, "backoff_interval": 1},
+    ),
+    "MindSpore": (
+        "DynamicLossScaleManager(2**24, 2, 2000)",
+        {"init_scale": 2.0**24, "growth_factor": 2.0, "growth_interval": 2000},
+    ),
+    "MindSpore, fixed": (
+        "FixedLossScaleManager(1024.0, drop_overflow_update=False)",
+        {"init_scale": 1024.0, "skip_nonfinite": False},
+    ),
+    "nnabla": ("scale=8.0, N=2000", {"init_scale": 8.0, "growth_interval": 2001}),
+    "Keras 3": (
+        "initial_scale=2**15",
+        {"init_scale": 2.0**15, "backoff_divisor": 2.0},
+    ),
+    "TensorFlow 2": ("LossScaleOptimizer(inner)", {"init_scale": 2.0**15}),
+    "TensorFlow 1": (
+        "DynamicLossScale(2**15, 2000, 2.0)",
+        {"init_scale": 2.0**15, "growth_interval": 2000, "growth_factor": 2.0},
+    ),
+    "Megatron-LM": (
+        "--initial-loss-scale 4294967296 --loss-scale-window 1000 --hysteresis 2",
+        {"init_scale": 2.0**32, "growth_interval": 1000, "hysteresis": 2},
+    ),
+    "DeepSpeed": (
+        '"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2',
+        {"init_scale": 2.0**16, "growth_interval": 1000, "hysteresis": 2},
+    ),
+    "jmp": ("DynamicLossScale(jnp.float32(2**15))", {"init_scale": 2.0**15}),
+    "flax": ("DynamicScale()", {"init_scale": 2.0**16, "saturate_growth": True}),
+}
+
+
+def test_the_readme_migration_table_matches_each_frameworks_settings():
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in MIGRATION_ROWS:
+            rows[cells[0]] = cells
+    assert set(rows) == set(MIGRATION_ROWS)
+    for name, (fragment, want) in MIGRATION_ROWS.items():
+        framework, jls_cell = rows[name][1], rows[name][2]
+        assert fragment in framework, (name, framework)
+        (call,) = re.findall(r"`(jls\.presets\.\w+\([^`]*\))`", jls_cell)
+        scaler = eval(call, {"jls": jls})  # noqa: S307 (README examples)
+        for field, value in want.items():
+            assert getattr(scaler, field) == value, (name, field)

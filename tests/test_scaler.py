@@ -37,6 +37,7 @@ def _scaler_for(config):
         backoff_interval=config.get("backoff_interval", 1),
         # Peers without a floor (torch, Keras) get the smallest normal float32.
         min_scale=config.get("min_scale", TINY),
+        max_scale=float(F32_MAX),  # nor a ceiling
     )
 
 
@@ -176,7 +177,7 @@ def test_long_runs_stay_in_bounds(cfg, runs):
 
 
 def test_growth_never_reaches_inf_at_the_float32_limit():
-    scaler = jls.dynamic_scale(2.0**127, growth_interval=1)
+    scaler = jls.dynamic_scale(2.0**127, growth_interval=1, max_scale=float(F32_MAX))
     (state,) = _run(scaler, [True])
     assert np.float32(state.scale) == np.float32(2.0**127)
 
@@ -355,3 +356,27 @@ def test_bad_state_and_flag_raise_at_trace_time():
         scaler.adjust(state._replace(growth_count=jnp.zeros(2, jnp.int32)), True)
     with pytest.raises(TypeError, match="state must be a jls.LossScaleState"):
         scaler.adjust({"scale": 1.0}, True)  # type: ignore[arg-type]
+
+
+def test_the_growth_count_saturates_instead_of_wrapping():
+    top = np.iinfo(np.int32).max
+    scaler = jls.dynamic_scale(2.0**4, growth_interval=2000)
+    # A count past the interval (a checkpoint, a user's hand) grows, it does
+    # not wrap to -2**31 and wait another 2**31 steps.
+    state = scaler.init()._replace(growth_count=jnp.int32(top))
+    state = jax.jit(scaler.adjust)(state, jnp.asarray(True))
+    assert int(state.growth_count) == 0 and float(state.scale) == 2.0**5
+    last = jls.dynamic_scale(2.0**4, growth_interval=top)
+    state = last.init()._replace(growth_count=jnp.int32(top - 1))
+    state = jax.jit(last.adjust)(state, jnp.asarray(True))
+    assert int(state.growth_count) == 0 and float(state.scale) == 2.0**5
+
+
+def test_the_default_ceiling_is_two_to_the_126():
+    assert jls.dynamic_scale().max_scale == 2.0**126
+    assert jls.measured_scale().max_scale == 2.0**126
+    # Presets of peers without a ceiling keep the float32 maximum.
+    assert jls.presets.torch().max_scale == float(F32_MAX)
+    state = jls.dynamic_scale(2.0**126, growth_interval=1).init()
+    state = jls.dynamic_scale(2.0**126, growth_interval=1).adjust(state, True)
+    assert float(state.scale) == 2.0**126

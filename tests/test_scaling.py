@@ -3,6 +3,7 @@
 # Optax types its states loosely (OptState is any pytree); attribute access
 # on them and numpy scalars passed as config are checked at run time here.
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
+# pyright: reportIndexIssue=false
 
 import flax.nnx as nnx
 import jax
@@ -12,6 +13,8 @@ import optax
 import pytest
 
 import jls
+
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 @pytest.mark.parametrize(
@@ -47,7 +50,7 @@ def test_scale_loss_gradients_are_scaled():
 
 
 def test_scale_loss_reads_any_optimizer_state():
-    tx = optax.chain(optax.identity(), jls.loss_scaling(optax.sgd(1.0)))
+    tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(1.0)), 2)
     state = tx.init({"w": jnp.zeros(2)})
     assert float(jls.scale_loss(jnp.float32(2.0), state)) == 2.0**16
     per_example = jls.scale_loss(jnp.ones(3), state)
@@ -81,18 +84,20 @@ def test_unscale_keeps_dtypes():
 
 def test_unscale_at_huge_scales_does_not_flush_to_zero():
     # 1/2**127 is subnormal and XLA flushes it to 0; jls divides instead.
-    state = jls.dynamic_scale(2.0**127).init()
+    state = jls.dynamic_scale(2.0**127, max_scale=F32_MAX).init()
     out = jax.jit(jls.unscale)([jnp.float32(2.0**127)], state)
     assert float(out[0]) == 1.0
 
 
 def test_loss_scale_state_errors():
-    with pytest.raises(ValueError, match="exactly one jls.LossScaleState, found no"):
+    with pytest.raises(
+        ValueError, match=r"exactly one jls.LossScaleState, found none\."
+    ):
         jls.loss_scale_state(optax.sgd(1.0).init({"w": jnp.zeros(1)}))
     two = (jls.no_scale().init(), jls.no_scale().init())
     with pytest.raises(ValueError, match="found 2"):
         jls.loss_scale_state(two)
-    with pytest.raises(ValueError, match="found no"):
+    with pytest.raises(ValueError, match="found none"):
         jls.scale_loss(1.0, {})
 
 
@@ -173,6 +178,7 @@ def test_public_names():
         "static_scale",
         "train_step",
         "unscale",
+        "upgrade_state",
     }
     assert set(jls.__all__) == expected
     assert all(hasattr(jls, name) for name in expected)
@@ -202,9 +208,6 @@ def test_import_starts_no_backend():
     assert out.stdout.strip() == "False"
 
 
-F32_MAX = float(np.finfo(np.float32).max)
-
-
 @pytest.mark.parametrize(
     "scale",
     [
@@ -226,7 +229,7 @@ def test_unscale_against_float64_division(scale):
         np.float32
     )
     x[:3] = [F32_MAX, -F32_MAX, np.float32(np.finfo(np.float32).tiny)]
-    state = jls.dynamic_scale(scale, min_scale=2.0**-20).init()
+    state = jls.dynamic_scale(scale, min_scale=2.0**-20, max_scale=F32_MAX).init()
     got = np.asarray(jax.jit(jls.unscale)(jnp.asarray(x), state))
     with np.errstate(over="ignore", under="ignore"):
         want = (x.astype(np.float64) / np.float32(scale)).astype(np.float32)
@@ -239,3 +242,54 @@ def test_unscale_against_float64_division(scale):
         np.testing.assert_array_max_ulp(got[normal & finite], want[normal & finite], 1)
     if scale >= 1:
         assert np.all(np.abs(got) <= np.abs(x))
+
+
+@pytest.mark.parametrize(
+    "scaler",
+    [
+        jls.dynamic_scale(min_scale=float(np.finfo(np.float32).tiny)),  # one factor
+        jls.presets.torch(),  # max_scale = float32 max: two factors
+    ],
+    ids=["one_factor", "two_factors"],
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+def test_unscaling_is_exact_across_the_whole_range(scaler, fused):
+    # Every power-of-two scale of the range, its ends included, on both paths:
+    # sgd(1) returns -g / scale, which must be the float64 quotient exactly.
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(512) * 2.0 ** rng.integers(-20, 20, 512)).astype(
+        np.float32
+    )
+    lo = int(np.log2(scaler.min_scale_f32))
+    hi = int(np.floor(np.log2(scaler.max_scale_f32)))
+    tx = jls.loss_scaling(optax.sgd(1.0), scaler)
+    params = {"w": jnp.zeros(512)}
+    if fused:
+        run = jax.jit(lambda g, s, p: jls.apply_gradients(tx, g, s, p)[0]["w"])
+    else:
+        run = jax.jit(lambda g, s, p: tx.update(g, s, p)[0]["w"])
+    for e in sorted({lo, lo + 1, -1, 0, 1, 63, 64, 65, 100, hi - 1, hi}):
+        scale = 2.0**e
+        grads = x.astype(np.float64) * scale
+        tiny = np.finfo(np.float32).tiny  # XLA flushes subnormals, inputs too
+        keep = (np.abs(grads) <= F32_MAX) & (np.abs(grads) >= tiny)
+        grads = np.where(keep, grads, 0.0).astype(np.float32)
+        state = jls.replace_loss_scale_state(
+            tx.init(params), jls.static_scale(scale).init()
+        )
+        got = np.asarray(run({"w": jnp.asarray(grads)}, state, params))
+        want = -(grads.astype(np.float64) / scale).astype(np.float32)
+        normal = np.abs(want) >= np.finfo(np.float32).tiny  # XLA flushes subnormals
+        np.testing.assert_array_equal(got[normal], want[normal], err_msg=str(e))
+
+
+def test_the_default_scaler_unscales_with_one_multiplication():
+    params = {"w": jnp.zeros(8)}
+
+    def multiplies(scaler):
+        tx = jls.loss_scaling(optax.sgd(1.0), scaler)
+        jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+        return str(jaxpr).count(" mul ")
+
+    one = multiplies(jls.dynamic_scale())
+    assert one == multiplies(jls.dynamic_scale(max_scale=float(F32_MAX))) - 1

@@ -108,8 +108,10 @@ def test_finite_step_matches_the_plain_optimizer_bitwise(path):
 
     @jax.jit
     def plain_step(params, state, scaled_grads, scale_state):
-        # The plain optimizer, fed jls.unscale's gradients in the same program.
-        grads = jls.unscale(scaled_grads, scale_state)
+        # The plain optimizer, fed the gradients times 1 / scale (the one
+        # factor a scaler capped at 2**126 unscales with) in the same program.
+        inv = 1 / scale_state.scale
+        grads = jax.tree.map(lambda g: g * inv, scaled_grads)
         u, state = inner.update(grads, state, params)
         return optax.apply_updates(params, u), state
 
@@ -205,6 +207,7 @@ def test_float16_gradient_overflowing_on_unscale_below_one():
     ],
     ids=lambda d: jnp.dtype(d).name,
 )
+@pytest.mark.filterwarnings("ignore:every gradient is bfloat16")
 def test_dtypes(path, pdtype, gdtype):
     params = _params(pdtype)
     tx = jls.loss_scaling(optax.adam(1e-2), jls.dynamic_scale(2.0**8))
@@ -317,29 +320,52 @@ def test_one_trace_for_100_steps_with_random_overflow():
 
 def test_chain_with_clipping_sees_unscaled_gradients():
     params = _params()
-    inner = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0))
+    # A threshold between the unscaled norm and the scaled one (1024x): the
+    # clip must leave the step alone, which it does only if it sees the
+    # unscaled gradients.
+    norm = float(optax.tree.norm(jax.grad(_loss)(params, X)))
+    inner = optax.chain(optax.clip_by_global_norm(4 * norm), optax.sgd(1.0))
     tx = jls.loss_scaling(inner, jls.static_scale(2.0**10))
     state = tx.init(params)
     grads = _scaled_grads(params, state)
     new_params, _, _ = _update_path(tx)(params, state, grads)
+    sgd = optax.sgd(1.0)
+    unclipped = optax.apply_updates(
+        params, sgd.update(jax.grad(_loss)(params, X), sgd.init(params))[0]
+    )
+    chex.assert_trees_all_close(new_params, unclipped, rtol=1e-6)
     plain = optax.apply_updates(
         params, inner.update(jax.grad(_loss)(params, X), inner.init(params))[0]
     )
     chex.assert_trees_all_equal(new_params, plain)
 
 
-def test_inside_a_chain_and_found_by_loss_scale_state():
+def test_loss_scaling_chained_beside_other_transformations_is_refused():
     params = _params()
-    tx = optax.chain(optax.identity(), jls.loss_scaling(optax.sgd(0.1)))
-    state = tx.init(params)
-    assert float(jls.loss_scale_state(state).scale) == 2.0**15
-    assert float(optax.tree.get(state, "scale")) == 2.0**15
-    grads = _poison(_scaled_grads(params, state), np.nan)
-    updates, state = jax.jit(tx.update)(grads, state, params)
-    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
-    assert bool(jls.metrics(state)["skipped"])
-    with pytest.raises(TypeError, match="made by jls.loss_scaling"):
-        jls.apply_gradients(tx, grads, state, params)
+    for tx in (
+        optax.chain(optax.clip_by_global_norm(1.0), jls.loss_scaling(optax.sgd(0.1))),
+        optax.chain(jls.loss_scaling(optax.sgd(0.1)), optax.add_decayed_weights(0.1)),
+        optax.chain(optax.identity(), jls.loss_scaling(optax.sgd(0.1))),
+    ):
+        state = tx.init(params)
+        fix = r"jls.loss_scaling\(optax.chain\("
+        for use in (
+            lambda s: jls.scale_loss(jnp.float32(1.0), s),
+            jls.metrics,
+            jls.loss_scale_state,
+        ):
+            with pytest.raises(ValueError, match=fix):
+                use(state)
+        with pytest.raises(TypeError, match="made by jls.loss_scaling"):
+            jls.apply_gradients(tx, params, state, params)
+    # Alone in a chain, or with the others inside, it is found.
+    for tx in (
+        optax.chain(jls.loss_scaling(optax.sgd(0.1))),
+        jls.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))),
+    ):
+        state = tx.init(params)
+        assert float(jls.loss_scale_state(state).scale) == 2.0**15
+        assert float(optax.tree.get(state, "scale")) == 2.0**15
 
 
 def test_extra_args_are_forwarded():
@@ -601,3 +627,159 @@ def test_inject_hyperparams_inside_keeps_the_fused_path():
     outer = optax.inject_hyperparams(jls.loss_scaling)(inner=optax.sgd(0.1))
     with pytest.raises(TypeError, match="put those inside"):
         jls.apply_gradients(outer, jnp.ones(2), outer.init(params), params)
+
+
+# jls 0.3 promises: wrong calls fail loudly, naming the fix -------------------------
+
+
+def _misuse_cases():
+    params = {"w": jnp.ones(3)}
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    state = tx.init(params)
+    grads = {"w": jnp.ones(3)}
+    scaling = jls.LossScaling.of(tx)
+    return [
+        (
+            "apply_gradients without opt_state",
+            lambda: jls.apply_gradients(tx, grads, params),
+            TypeError,
+            r"opt_state is missing",
+        ),
+        (
+            "apply_gradients with params and opt_state swapped",
+            lambda: jls.apply_gradients(tx, grads, params, state),
+            TypeError,
+            r"swapped.*apply_gradients\(tx, grads, opt_state, params\)",
+        ),
+        (
+            "update with params and opt_state swapped",
+            lambda: tx.update(grads, params, state),
+            TypeError,
+            r"swapped",
+        ),
+        (
+            "loss_scaling with the scaler first",
+            lambda: jls.loss_scaling(jls.dynamic_scale(), optax.sgd(0.1)),
+            TypeError,
+            r"inner must be .* the optimizer comes first",
+        ),
+        (
+            "loss_scaling with the optimizer factory",
+            lambda: jls.loss_scaling(optax.adam),
+            TypeError,
+            r"call it: loss_scaling\(optax.adam\(1e-3\)\)",
+        ),
+        (
+            "scale_loss with its arguments swapped",
+            lambda: jls.scale_loss(state, jnp.float32(1.0)),
+            TypeError,
+            r"scale_loss\(loss, opt_state\).*swapped",
+        ),
+        (
+            "unscale with its arguments swapped",
+            lambda: jls.unscale(state, grads),
+            TypeError,
+            r"unscale\(tree, opt_state\).*swapped",
+        ),
+        (
+            "set_loss_scale with its arguments swapped",
+            lambda: jls.set_loss_scale(1024.0, state),
+            TypeError,
+            r"set_loss_scale\(opt_state, scale\).*swapped",
+        ),
+        (
+            "train_step with its arguments swapped",
+            lambda: jls.train_step(tx, lambda p, x: jnp.sum(p["w"])),
+            TypeError,
+            r"train_step\(loss_fn, tx\).*swapped",
+        ),
+        (
+            "decide given the whole optimizer state",
+            lambda: scaling.decide(grads, state),
+            TypeError,
+            r"loss_scale must be a jls.LossScaleState.*pass its .loss_scale",
+        ),
+        (
+            "decide given the old (finite, apply) pair",
+            lambda: scaling.decide(grads, (jnp.asarray(True), jnp.asarray(True))),
+            TypeError,
+            r"loss_scale must be a jls.LossScaleState, got tuple",
+        ),
+        (
+            "decide given a Python-float scale",
+            lambda: scaling.decide(grads, state.loss_scale._replace(scale=1024.0)),
+            TypeError,
+            r"loss_scale.scale must be a float32",
+        ),
+        (
+            "apply_gradients with a decision that is not one",
+            lambda: scaling.apply_gradients(
+                grads, state, params, (jnp.asarray(True), jnp.asarray(True))
+            ),
+            TypeError,
+            r"decision must be the jls Decision",
+        ),
+        (
+            "a loss scale state that is the whole state",
+            lambda: jls.loss_scale_state(params),
+            ValueError,
+            r"found none\.",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "case", range(len(_misuse_cases())), ids=[c[0] for c in _misuse_cases()]
+)
+def test_wrong_calls_name_the_argument_and_the_fix(case):
+    _, call, error, match = _misuse_cases()[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.bool_, jnp.int8, jnp.uint8, jnp.int16, jnp.int32]
+)
+def test_train_step_refuses_a_loss_that_is_not_floating(dtype):
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    params = {"w": jnp.ones(3)}
+    step = jls.train_step(lambda p, x: (jnp.sum(p["w"] * x) > 0).astype(dtype), tx)
+    with pytest.raises(TypeError, match=f"floating loss, got dtype {jnp.dtype(dtype)}"):
+        jax.jit(step)(params, tx.init(params), jnp.ones(3))
+
+
+def test_raise_if_diverged_inside_jit_says_where_to_call_it():
+    tx = jls.loss_scaling(optax.sgd(0.1), max_consecutive_skips=2)
+    state = tx.init(jnp.zeros(2))
+
+    def checked(s):
+        jls.raise_if_diverged(s)
+        return s
+
+    with pytest.raises(TypeError, match="on the host after the step.*checkify"):
+        jax.jit(checked)(state)
+    from jax.experimental import checkify
+
+    err, _ = jax.jit(checkify.checkify(checked))(state)
+    assert err.get() is None
+
+
+def test_bfloat16_gradients_with_a_dynamic_scale_get_a_hint():
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    with pytest.warns(UserWarning, match=r"bfloat16.*jls.no_scale\(\)"):
+        jax.jit(tx.update)(params, tx.init(params), params)
+    quiet = jls.loss_scaling(optax.sgd(0.1), jls.no_scale())
+    jax.jit(quiet.update)(params, quiet.init(params), params)  # no warning
+
+
+def test_jls_flax_without_importing_it():
+    code = "import jls; print(jls.flax.TrainState.__name__)"
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "TrainState"

@@ -8,7 +8,8 @@ and counters to and from those frameworks' checkpoints; pair them with
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,39 @@ def _disabled(scaler: LossScaler) -> bool:
     return scaler == no_scale(skip_nonfinite=False)
 
 
+def _same_rule(scaler: LossScaler, rebuilt: Callable[[], LossScaler], fmt: str) -> None:
+    """Refuses ``scaler`` unless ``rebuilt()`` (from ``fmt``'s dict) is the same rule.
+
+    The state dict is read back by the framework (and by the matching
+    ``from_*_state_dict``) as ``rebuilt()``; every field but the first
+    scale and growth count (the dict carries the current ones) must match,
+    so that the round trip is exact. Anything else is refused, naming what
+    the format cannot hold.
+    """
+    try:
+        other = rebuilt()
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"scaler cannot be written as a {fmt} state_dict: the framework would "
+            f"refuse it ({err})"
+        ) from None
+    fields = [
+        f.name
+        for f in dataclasses.fields(scaler)
+        if f.name not in ("init_scale", "init_growth_count")
+        and getattr(scaler, f.name) != getattr(other, f.name)
+    ]
+    if fields:
+        what = ", ".join(
+            f"{f}={getattr(scaler, f)!r} (read back as {getattr(other, f)!r})"
+            for f in fields
+        )
+        raise ValueError(
+            f"scaler cannot be written as a {fmt} state_dict, which cannot hold "
+            f"{what}: the run would not resume as it is"
+        )
+
+
 @_preset
 def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     """The ``torch.amp.GradScaler.state_dict()`` of a jls run.
@@ -71,6 +105,18 @@ def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
         return {}
+    _same_rule(
+        scaler,
+        lambda: torch(
+            init_scale=scaler.init_scale,
+            growth_factor=scaler.growth_factor,
+            backoff_factor=scaler.backoff_factor,
+            growth_interval=scaler.growth_interval,
+            min_scale=scaler.min_scale,
+            max_scale=scaler.max_scale,
+        ),
+        "torch GradScaler",
+    )
     return {
         "scale": state_dict_number("state.scale", state.scale),
         "growth_factor": scaler.growth_factor,
@@ -143,6 +189,20 @@ def to_paddle_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
         return {}
+    _same_rule(
+        scaler,
+        lambda: paddle(
+            init_loss_scaling=scaler.init_scale,
+            incr_ratio=scaler.growth_factor,
+            decr_ratio=scaler.backoff_factor,
+            incr_every_n_steps=scaler.growth_interval,
+            decr_every_n_nan_or_inf=scaler.backoff_interval,
+            use_dynamic_loss_scaling=scaler.is_dynamic,
+            min_scale=scaler.min_scale,
+            max_scale=scaler.max_scale,
+        ),
+        "Paddle GradScaler",
+    )
     return {
         "scale": np.asarray([state.scale], np.float32),
         "incr_ratio": scaler.growth_factor,
@@ -230,6 +290,19 @@ def to_megatron_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]
     """
     _check_exportable(scaler)
     state = loss_scale_state(opt_state)
+    _same_rule(
+        scaler,
+        lambda: megatron(
+            initial_scale=scaler.init_scale,
+            min_scale=scaler.min_scale,
+            growth_factor=scaler.growth_factor,
+            backoff_factor=scaler.backoff_factor,
+            growth_interval=scaler.growth_interval,
+            hysteresis=scaler.hysteresis,
+            max_scale=scaler.max_scale,
+        ),
+        "Megatron DynamicGradScaler",
+    )
     return {
         "scale": state_dict_number("state.scale", state.scale),
         "growth_tracker": int(state.growth_count),

@@ -1,0 +1,161 @@
+"""Restoring checkpoints saved by an older jls, whose states had fewer fields.
+
+jls adds fields to its states (``LossScaleState.headroom`` in 0.2, the spike
+rule's ``consecutive_spikes`` in 0.3), so a checkpoint saved before cannot be
+restored onto a ``tx.init(params)`` target as it is: orbax and
+``flax.serialization`` find a structure mismatch. `upgrade_state` maps what a
+checkpoint holds onto the target's structure, and fills the fields jls added
+since with their values in the target (the state a fresh run starts from).
+Only jls's own fields may be missing: anything else that does not match is
+an error naming the path, never a silent default.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from jls._spikes import SpikeState
+from jls._state import LossScaleState, WrapperState
+
+_MISSING = object()
+
+
+def _child(node: Any, key: Any) -> Any:
+    """``node``'s child at one key path entry, or `_MISSING`."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        name = key.name
+        if isinstance(node, dict):
+            return node.get(name, _MISSING)
+        return getattr(node, name, _MISSING)
+    if isinstance(key, jax.tree_util.DictKey):
+        if isinstance(node, dict):
+            if key.key in node:
+                return node[key.key]
+            return node.get(str(key.key), _MISSING)
+        return _MISSING
+    if isinstance(key, jax.tree_util.SequenceKey):
+        if isinstance(node, (list, tuple)):
+            return node[key.idx] if key.idx < len(node) else _MISSING
+        if isinstance(node, dict):  # flax state dicts key sequences by str(i)
+            return node.get(str(key.idx), _MISSING)
+        return _MISSING
+    return _MISSING
+
+
+def _owned_prefixes(target: Any) -> list[tuple[Any, ...]]:
+    """Key paths of the subtrees jls owns (whose fields jls may add)."""
+    kinds = (LossScaleState, SpikeState, WrapperState)
+    found = jax.tree_util.tree_flatten_with_path(
+        target, is_leaf=lambda x: isinstance(x, kinds)
+    )[0]
+    prefixes = []
+    for path, node in found:
+        if isinstance(node, WrapperState):
+            for name in WrapperState._fields:
+                if name != "inner_state":
+                    prefixes.append((*path, jax.tree_util.GetAttrKey(name)))
+        elif isinstance(node, kinds):
+            prefixes.append(tuple(path))
+    return prefixes
+
+
+def _leaf_paths(tree: Any) -> set[str]:
+    def is_leaf(x: Any) -> bool:
+        return x is None or isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+    return {
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+        if leaf is not None
+    }
+
+
+def upgrade_state(restored: Any, target: Any) -> Any:
+    """``restored`` in ``target``'s structure, with jls's newer fields filled.
+
+    Restore an old checkpoint without a target (orbax:
+    ``ocp.StandardCheckpointer().restore(path)``, which gives nested dicts
+    and lists; or ``flax.serialization.to_state_dict``'s dicts), then give
+    that raw tree and the structure you want (``{"params": params,
+    "opt_state": tx.init(params)}``, as you saved it) to this function.
+    Every leaf of ``target`` is taken from ``restored`` by its key path
+    (a NamedTuple's fields by name, sequences by position); a field of a
+    jls state that the checkpoint does not have (one jls added since it was
+    written) takes ``target``'s value, which for a fresh ``tx.init`` is the
+    value a new run starts with (``headroom`` 1, no spikes in a row).
+
+    Args:
+      restored: the checkpoint's tree, as restored without a target.
+      target: a tree of the structure to restore into; its leaves are used
+        only for jls fields the checkpoint lacks.
+
+    Returns:
+      A tree of ``target``'s structure.
+
+    Raises:
+      KeyError: if a leaf outside jls's own state fields is missing from
+        ``restored`` (a different model or optimizer), or ``restored`` has
+        leaves ``target`` has no place for.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.sgd(0.1))
+      >>> target = tx.init({"w": jnp.zeros(2)})
+      >>> old = {  # a jls 0.1 checkpoint, restored without a target
+      ...     "loss_scale": {"scale": jnp.float32(512.0), "growth_count": 7,
+      ...                    "backoff_count": 0, "consecutive_skips": 0,
+      ...                    "total_skips": 3, "consecutive_nonfinite": 0,
+      ...                    "retries": 0},
+      ...     "inner_state": [None, None],
+      ... }
+      >>> state = jls.upgrade_state(old, target)
+      >>> m = jls.metrics(state)
+      >>> headroom = state.loss_scale.headroom
+      >>> float(m["loss_scale"]), int(m["total_skips"]), float(headroom)
+      (512.0, 3, 1.0)
+    """
+    owned = _owned_prefixes(target)
+    used: set[str] = set()
+
+    def pick(path: tuple[Any, ...], default: Any) -> Any:
+        node = restored
+        for key in path:
+            node = _child(node, key)
+            if node is _MISSING:
+                if any(path[: len(p)] == p for p in owned):
+                    return default
+                raise KeyError(
+                    "the checkpoint has no value at "
+                    f"{jax.tree_util.keystr(path)}: restored and target differ "
+                    "beyond the fields jls added (another model or optimizer?)"
+                )
+        used.add(jax.tree_util.keystr(path))
+        if isinstance(default, (jax.Array, np.ndarray, np.generic)):
+            return np.asarray(node, dtype=default.dtype).reshape(default.shape)
+        return node
+
+    paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    upgraded = jax.tree_util.tree_unflatten(
+        treedef, [pick(tuple(path), leaf) for path, leaf in paths]
+    )
+    extra = _restored_paths(restored) - {_normalised(p) for p in used}
+    if extra:
+        raise KeyError(
+            "the checkpoint has values the target has no place for: "
+            f"{sorted(extra)[:10]} (restore into the structure you saved)"
+        )
+    return jax.tree.map(lambda x: jax.numpy.asarray(x), upgraded)
+
+
+def _normalised(path: str) -> str:
+    """A key path in the raw form: ``.name`` and ``[0]`` as ``['name']``/``['0']``."""
+    path = re.sub(r"\.(\w+)", r"['\1']", path)
+    return re.sub(r"\[(\d+)\]", r"['\1']", path)
+
+
+def _restored_paths(restored: Any) -> set[str]:
+    return {_normalised(p) for p in _leaf_paths(restored)}

@@ -1,0 +1,171 @@
+"""Checkpoints saved by an older jls restore onto today's state (`upgrade_state`).
+
+The old layouts are written here as they were in the commits that saved them:
+jls 0.1 (``4939730``: a 7-field ``LossScaleState``, a 4-field
+``WrapperState``) and jls 0.2 (``29871bb``: ``headroom`` added, the spike
+rule's statistics without ``consecutive_spikes``). Each is saved with orbax
+exactly as a run of that version saved it, then restored the documented way.
+"""
+
+# pyright: reportAttributeAccessIssue=false
+
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jls
+
+
+class OldLossScaleState(NamedTuple):
+    """jls 0.1 (4939730)."""
+
+    scale: Any
+    growth_count: Any
+    backoff_count: Any
+    consecutive_skips: Any
+    total_skips: Any
+    consecutive_nonfinite: Any
+    retries: Any
+
+
+class OldWrapperState(NamedTuple):
+    """jls 0.1 (4939730)."""
+
+    loss_scale: Any
+    inner_state: Any
+    nonfinite_leaves: Any = None
+    diverged: Any = None
+
+
+class V2SpikeState(NamedTuple):
+    """jls 0.2 (29871bb)."""
+
+    count: Any
+    norm_mean: Any
+    norm_var: Any
+    loss_mean: Any
+    loss_var: Any
+    spike: Any
+    total_spikes: Any
+
+
+class V2WrapperState(NamedTuple):
+    """jls 0.2 (29871bb)."""
+
+    loss_scale: Any
+    inner_state: Any
+    nonfinite_leaves: Any = None
+    diverged: Any = None
+    gradient_norm: Any = None
+    spikes: Any = None
+
+
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
+
+
+def _i32(x):
+    return jnp.asarray(np.int32(x))
+
+
+def _old_scale():
+    return OldLossScaleState(
+        jnp.float32(2.0**12), _i32(17), _i32(0), _i32(0), _i32(5), _i32(0), _i32(0)
+    )
+
+
+def _save(path: pathlib.Path, tree) -> pathlib.Path:
+    path = path.absolute() / "ckpt"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, tree)
+    return path
+
+
+def _restore_raw(path: pathlib.Path):
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(path)
+
+
+def test_a_jls_0_1_checkpoint_resumes(tmp_path):
+    inner = optax.adam(1e-2)
+    tx = jls.loss_scaling(inner, max_consecutive_skips=10)
+    adam = inner.init(PARAMS)
+    adam = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x + 3, adam)
+    old = OldWrapperState(_old_scale(), adam, None, jnp.asarray(False))
+    path = _save(tmp_path, {"params": PARAMS, "opt_state": old})
+
+    target = {"params": PARAMS, "opt_state": tx.init(PARAMS)}
+    # As it is, orbax refuses: the structure changed.
+    with pytest.raises(Exception):  # noqa: B017 (orbax's error type varies)
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.restore(path, target)
+    state = jls.upgrade_state(_restore_raw(path), target)
+    assert jax.tree.structure(state) == jax.tree.structure(target)
+    ls = state["opt_state"].loss_scale
+    assert float(ls.scale) == 2.0**12 and int(ls.growth_count) == 17
+    assert int(ls.total_skips) == 5
+    assert float(ls.headroom) == 1.0 and ls.headroom.dtype == jnp.float32
+    for got, want in zip(
+        jax.tree.leaves(state["opt_state"].inner_state),
+        jax.tree.leaves(adam),
+        strict=False,
+    ):
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype
+    # And the run goes on with the restored state, one trace.
+    grads = jax.tree.map(lambda p: jnp.ones_like(p) * 2.0**12, PARAMS)
+    params, opt = jax.jit(lambda g, s, p: jls.apply_gradients(tx, g, s, p))(
+        grads, state["opt_state"], state["params"]
+    )
+    assert int(jls.metrics(opt)["growth_count"]) == 18
+    assert int(optax.tree.get(opt, "count")) == int(adam[0].count) + 1
+
+
+def test_a_jls_0_2_checkpoint_with_spike_statistics_resumes(tmp_path):
+    rule = jls.SpikeRule(warmup=3)
+    tx = jls.loss_scaling(optax.sgd(0.1), skip_spikes=rule, gradient_norm=True)
+    scale = jls.LossScaleState(*_old_scale(), jnp.float32(4.0))
+    spikes = V2SpikeState(
+        _i32(40),
+        jnp.float32(1.5),
+        jnp.float32(0.25),
+        jnp.float32(0),
+        jnp.float32(0),
+        jnp.asarray(True),
+        _i32(2),
+    )
+    old = V2WrapperState(
+        scale,
+        (optax.EmptyState(), optax.EmptyState()),
+        None,
+        None,
+        jnp.float32(1.25),
+        spikes,
+    )
+    path = _save(tmp_path, old)
+    state = jls.upgrade_state(_restore_raw(path), tx.init(PARAMS))
+    assert float(state.loss_scale.headroom) == 4.0
+    assert int(state.spikes.count) == 40 and float(state.spikes.norm_mean) == 1.5
+    assert int(state.spikes.total_spikes) == 2 and bool(state.spikes.spike)
+    assert int(state.spikes.consecutive_spikes) == 0  # the new field, its default
+    assert float(jls.metrics(state)["gradient_norm"]) == 1.25
+
+
+def test_only_jls_fields_may_be_missing(tmp_path):
+    tx = jls.loss_scaling(optax.adam(1e-2))
+    old = OldWrapperState(_old_scale(), optax.sgd(0.1).init(PARAMS))
+    path = _save(tmp_path, {"params": PARAMS, "opt_state": old})
+    raw = _restore_raw(path)
+    target = {"params": PARAMS, "opt_state": tx.init(PARAMS)}
+    with pytest.raises(KeyError, match="inner_state"):
+        jls.upgrade_state(raw, target)  # sgd's checkpoint, adam's target
+    sgd = jls.loss_scaling(optax.sgd(0.1))
+    target = {"params": PARAMS, "opt_state": sgd.init(PARAMS)}
+    jls.upgrade_state(raw, target)  # the right target
+    with pytest.raises(KeyError, match="no place for"):
+        jls.upgrade_state({**raw, "extra": jnp.ones(2)}, target)
