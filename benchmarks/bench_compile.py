@@ -21,10 +21,11 @@ on its own, built from public pieces, to show where the time goes:
                   ``1 / scale`` inside the branch: the unscaling.
   plain_all_three ``plain_unscaled`` whose flag is also ``jls.all_finite``: the
                   three together, without the rest of jls (scale rule, state).
-  jls_update_one_factor  ``tx.update`` unscaling with the one factor
-                  ``1 / scale`` instead of jls's two (``(g * a) * b``, exact
-                  for every scale; one factor is 0 above a scale of 2**126,
-                  where XLA:CPU flushes it): what exactness there costs.
+  jls_update_two_factors  ``tx.update`` with a scaler whose ``max_scale``
+                  is the float32 maximum: the exact two-factor unscale
+                  (``(g * a) * b``) that only such scalers (the presets of
+                  peers without a cap) compile; the default, capped at
+                  2**126, unscales with one factor.
 
 Run: ``python benchmarks/bench_compile.py [--model lm|mlp|both] [--rounds 3]
 [--parts]``. Needs the ``bench`` extra (flax, jmp).
@@ -43,7 +44,6 @@ import optax
 from bench_step import make_problem, make_variants
 
 import jls
-from jls._loss_scaling import LossScaling
 
 VARIANTS = ("plain", "jls_fused", "jls_update")
 
@@ -94,23 +94,21 @@ def make_parts(loss_fn, params) -> dict:
 
         return step
 
-    class OneFactor(LossScaling):
-        @staticmethod
-        def _unscale(grads, factors):
-            if not factors:
-                return grads
-            return jax.tree.map(lambda g: g * factors[g.dtype][0], grads)
-
-    tx = OneFactor(adam, jls.dynamic_scale(2.0**15, growth_interval=10**6))
+    # The exact two-factor unscale, which only scalers whose max_scale passes
+    # 2**126 (the presets of peers without a cap) compile.
+    two = jls.dynamic_scale(
+        2.0**15, growth_interval=10**6, max_scale=float(jnp.finfo(jnp.float32).max)
+    )
+    tx = jls.loss_scaling(adam, two)
 
     @jax.jit
-    def one_factor(params, state, batch):
+    def two_factors(params, state, batch):
         grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     return {
-        "jls_update_one_factor": (one_factor, tx.init(params)),
+        "jls_update_two_factors": (two_factors, tx.init(params)),
         "plain_checked": (plain_checked, state),
         "plain_in_cond": (in_cond(False), state),
         "plain_unscaled": (in_cond(True), state),

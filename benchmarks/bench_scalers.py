@@ -3,7 +3,7 @@
 Trains three float16 cases with each scaler, side by side in one process:
 
   demo    the demo's 6-layer MLP on scikit-learn's digits, full batch, Adam
-          (``python -m jls.demo``'s f16-jls run, with another scaler).
+          (``python examples/demo.py``'s f16-jls run, with another scaler).
   lm      ``examples/char_lm.py``'s character-level transformer LM at its
           default size.
   stress  the demo's MLP with its loss multiplied by a factor that drifts
@@ -51,8 +51,11 @@ import numpy as np
 import optax
 
 import jls
-from jls import demo
-from jls.demo import mlp
+
+# The demo's model and data (examples/demo.py, examples/mlp.py).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import demo  # noqa: E402
+import mlp  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WARMUP = 100  # steps before skips count against a scaler

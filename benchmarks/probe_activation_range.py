@@ -12,14 +12,20 @@ Run: ``python benchmarks/probe_activation_range.py``. Not part of jls: a
 probe needs the model changed and a max reduction per activation.
 """
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jls
-from jls import demo
-from jls.demo import mlp
+
+# The demo's model and data (examples/demo.py, examples/mlp.py).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import demo  # noqa: E402
+import mlp  # noqa: E402
 
 
 @jax.custom_vjp
@@ -57,7 +63,7 @@ def main() -> None:
     n = len(params)
     tx = jls.loss_scaling(optax.adam(5e-3), jls.measured_scale())
     state = tx.init(params)
-    scaling = jls.LossScaling.of(tx)
+    scaling = jls.LossScaling._of(tx)
 
     @jax.jit
     def step(params, state):
@@ -67,7 +73,7 @@ def main() -> None:
             return jls.scale_loss(ce, state)
 
         g, amax = jax.grad(loss, argnums=(0, 1))(params, jnp.zeros(n))
-        d = scaling.decide(g, jls.loss_scale_state(state))
+        d = scaling._decide(g, jls.loss_scale_state(state))
         params, state = jls.apply_gradients(tx, g, state, params)
         return params, state, d.magnitude, jnp.max(amax), d.finite
 

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from mlp import forward, init_params, loss_fn  # the demo's model, shared
 
 import jls
-from jls.demo.mlp import forward, init_params, loss_fn  # the demo's model, shared
 
 
 def make_data(seed: int, n: int = 2048, dim: int = 32, classes: int = 4):

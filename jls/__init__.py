@@ -2,37 +2,69 @@
 
 Wrap any optax optimizer with `loss_scaling`, multiply the loss by the
 current scale with `scale_loss`, and jls unscales, checks, skips and adjusts
-inside ``jit``. `LossScaling` is the object that owns the step: `loss_scaling`
-returns its optax pair, `apply_gradients` its fused path and `train_step` a
-whole step built on it.
+inside ``jit``. `apply_gradients` is the fused path and `train_step` a whole
+step built on it; the rules are `dynamic_scale`, `measured_scale`,
+`static_scale`, `no_scale` and the `presets`; `Hook` is the seam every
+optional feature (and a user's own veto) plugs into. ``docs/design.md`` says
+why each public name exists.
 """
+
+import warnings
 
 from jls import presets
 from jls._checkpoint import upgrade_state
+from jls._diagnostics import nonfinite_paths
 from jls._divergence import DivergenceError, raise_if_diverged
+from jls._dynamic import dynamic_scale
 from jls._finite import all_finite
-from jls._loss_scaling import LossScaling, apply_gradients, loss_scaling
+from jls._hooks import Hook
+from jls._loss_scaling import apply_gradients, loss_scaling, metrics
+from jls._measured import measured_scale
 from jls._policy import Policy, get_policy
-from jls._scaler import (
-    LossScaler,
-    dynamic_scale,
-    measured_scale,
-    no_scale,
-    static_scale,
-)
+from jls._rule import LossScaler
 from jls._scaling import scale_loss, unscale
+from jls._set_scale import deprecated_replace_loss_scale_state, set_loss_scale
 from jls._spikes import SpikeRule
-from jls._state import (
-    LossScaleState,
-    loss_scale_state,
-    metrics,
-    nonfinite_paths,
-    replace_loss_scale_state,
-    set_loss_scale,
-)
+from jls._state import LossScaleState
+from jls._static import no_scale, static_scale
 from jls._step import StepOutput, train_step
+from jls._transformation import LossScaling
+from jls._tree import loss_scale_state
 
 __version__ = "0.3.0.dev0"
+
+__all__ = [
+    "DivergenceError",
+    "Hook",
+    "LossScaleState",
+    "LossScaler",
+    "LossScaling",
+    "Policy",
+    "SpikeRule",
+    "all_finite",
+    "apply_gradients",
+    "dynamic_scale",
+    "get_policy",
+    "loss_scale_state",
+    "loss_scaling",
+    "measured_scale",
+    "metrics",
+    "no_scale",
+    "nonfinite_paths",
+    "presets",
+    "raise_if_diverged",
+    "scale_loss",
+    "set_loss_scale",
+    "static_scale",
+    "train_step",
+    "unscale",
+    "upgrade_state",
+]
+
+# Old names that keep working for one release, with a DeprecationWarning.
+_DEPRECATED = {"replace_loss_scale_state": deprecated_replace_loss_scale_state}
+_MOVED = {"StepOutput": (StepOutput, "the type jls.train_step's step returns")}
+del StepOutput
 
 
 def __getattr__(name: str) -> object:
@@ -49,34 +81,15 @@ def __getattr__(name: str) -> object:
                 "jls.flax needs flax: pip install -e '.[flax]' in a checkout of "
                 f"jls, then import jls.flax ({err})"
             ) from None
+    if name in _DEPRECATED:
+        return _DEPRECATED[name]
+    if name in _MOVED:
+        obj, what = _MOVED[name]
+        warnings.warn(
+            f"jls.{name} is deprecated and will be removed from the top level in "
+            f"jls 0.4: it is {what}; read its fields, no import needed",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return obj
     raise AttributeError(f"module 'jls' has no attribute {name!r}")
-
-
-__all__ = [
-    "DivergenceError",
-    "LossScaleState",
-    "LossScaler",
-    "LossScaling",
-    "Policy",
-    "SpikeRule",
-    "StepOutput",
-    "all_finite",
-    "apply_gradients",
-    "dynamic_scale",
-    "get_policy",
-    "loss_scale_state",
-    "loss_scaling",
-    "measured_scale",
-    "metrics",
-    "no_scale",
-    "nonfinite_paths",
-    "presets",
-    "raise_if_diverged",
-    "replace_loss_scale_state",
-    "scale_loss",
-    "set_loss_scale",
-    "static_scale",
-    "train_step",
-    "unscale",
-    "upgrade_state",
-]

@@ -1,7 +1,8 @@
 """Restoring checkpoints saved by an older jls, whose states had fewer fields.
 
 jls adds fields to its states (``LossScaleState.headroom`` in 0.2, the spike
-rule's ``consecutive_spikes`` in 0.3), so a checkpoint saved before cannot be
+rule's ``consecutive_spikes`` in 0.3) and moved the optional features' states
+into ``WrapperState.hooks`` in 0.3, so a checkpoint saved before cannot be
 restored onto a ``tx.init(params)`` target as it is: orbax and
 ``flax.serialization`` find a structure mismatch. `upgrade_state` maps what a
 checkpoint holds onto the target's structure, and fills the fields jls added
@@ -18,10 +19,21 @@ from typing import Any
 import jax
 import numpy as np
 
+from jls._hooks import WrapperState
 from jls._spikes import SpikeState
-from jls._state import LossScaleState, WrapperState
+from jls._state import LossScaleState
 
 _MISSING = object()
+
+
+# jls 0.1 and 0.2 kept each feature's state in a WrapperState field of its
+# own; jls 0.3 keeps them in ``hooks``, by the hook's name.
+_OLD_FIELDS = {
+    "diagnostics": "nonfinite_leaves",
+    "divergence": "diverged",
+    "gradient_norm": "gradient_norm",
+    "spikes": "spikes",
+}
 
 
 def _child(node: Any, key: Any) -> Any:
@@ -55,9 +67,8 @@ def _owned_prefixes(target: Any) -> list[tuple[Any, ...]]:
     prefixes = []
     for path, node in found:
         if isinstance(node, WrapperState):
-            for name in WrapperState._fields:
-                if name != "inner_state":
-                    prefixes.append((*path, jax.tree_util.GetAttrKey(name)))
+            for name in ("loss_scale", "hooks"):
+                prefixes.append((*path, jax.tree_util.GetAttrKey(name)))
         elif isinstance(node, kinds):
             prefixes.append(tuple(path))
     return prefixes
@@ -122,10 +133,18 @@ def upgrade_state(restored: Any, target: Any) -> Any:
     used: set[str] = set()
 
     def pick(path: tuple[Any, ...], default: Any) -> Any:
-        node = restored
+        node, walked, renamed = restored, [], False
         for key in path:
-            node = _child(node, key)
-            if node is _MISSING:
+            child = _child(node, key)
+            if renamed:  # an old layout: the hook's state in a field of its own
+                old = _OLD_FIELDS.get(str(getattr(key, "key", "")), "")
+                key = jax.tree_util.DictKey(old)
+                child = _child(node, key)
+                renamed = False
+            elif child is _MISSING and getattr(key, "name", None) == "hooks":
+                renamed = True
+                continue
+            if child is _MISSING:
                 if any(path[: len(p)] == p for p in owned):
                     return default
                 raise KeyError(
@@ -133,7 +152,9 @@ def upgrade_state(restored: Any, target: Any) -> Any:
                     f"{jax.tree_util.keystr(path)}: restored and target differ "
                     "beyond the fields jls added (another model or optimizer?)"
                 )
-        used.add(jax.tree_util.keystr(path))
+            node = child
+            walked.append(key)
+        used.add(_normalised(jax.tree_util.keystr(tuple(walked))))
         if isinstance(default, (jax.Array, np.ndarray, np.generic)):
             return np.asarray(node, dtype=default.dtype).reshape(default.shape)
         return node
@@ -142,7 +163,7 @@ def upgrade_state(restored: Any, target: Any) -> Any:
     upgraded = jax.tree_util.tree_unflatten(
         treedef, [pick(tuple(path), leaf) for path, leaf in paths]
     )
-    extra = _restored_paths(restored) - {_normalised(p) for p in used}
+    extra = _restored_paths(restored) - used
     if extra:
         raise KeyError(
             "the checkpoint has values the target has no place for: "

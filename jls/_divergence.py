@@ -1,16 +1,17 @@
-"""Divergence errors: a run whose loss scale keeps overflowing must stop loudly.
+"""Divergence: a run whose loss scale keeps overflowing must stop loudly.
 
 jls never applies a non-finite update, so a run whose gradients stay
 non-finite makes no progress at all. ``loss_scaling(...,
-max_consecutive_skips=n)`` keeps a sticky ``diverged`` flag in the state
-(plain state, so it is exact under ``vmap``, ``scan`` and ``pmap``), and
-`raise_if_diverged` turns it into a `DivergenceError` where a Python
-``except`` can catch it: on the host, or inside ``jit`` through
+max_consecutive_skips=n)`` adds the `Divergence` hook: a sticky ``diverged``
+flag in the state (plain state, so it is exact under ``vmap``, ``scan`` and
+``pmap``), and `raise_if_diverged` turns it into a `DivergenceError` where a
+Python ``except`` can catch it: on the host, or inside ``jit`` through
 ``jax.experimental.checkify``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -20,8 +21,36 @@ import numpy as np
 from jax.core import Tracer
 from jax.experimental import checkify
 
-from jls._state import WrapperState, find, loss_scale_state
+from jls._hooks import Hook, StepInfo, WrapperState
+from jls._tree import find_all, loss_scale_state, plain
 from jls._validate import integer
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence(Hook):
+    """A sticky flag: the step that makes ``limit`` skipped steps in a row."""
+
+    limit: int
+
+    name = "divergence"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "limit", integer("max_consecutive_skips", self.limit, 1)
+        )
+
+    def init(self, params: Any) -> Any:
+        del params
+        return jnp.asarray(np.bool_(False))
+
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+        del vetoed
+        assert info.loss_scale is not None
+        return state | (info.loss_scale.consecutive_skips >= jnp.int32(self.limit))
+
+    @classmethod
+    def metrics(cls, state: Any) -> dict[str, Any]:
+        return {"diverged": plain(state)}
 
 
 class DivergenceError(RuntimeError):
@@ -47,7 +76,11 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
     if limit is not None:
         limit = integer("max_consecutive_skips", limit, 1)
         return state.consecutive_skips >= jnp.int32(limit), str(limit)
-    found = [w for w in find(opt_state, WrapperState) if w.diverged is not None]
+    found = [
+        w.hooks[Divergence.name]
+        for _, w in find_all(opt_state, WrapperState)
+        if Divergence.name in w.hooks
+    ]
     if len(found) != 1:
         raise ValueError(
             "give max_consecutive_skips, or pass the state of a "
@@ -55,7 +88,7 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
             "keeps the diverged flag); found "
             f"{len(found) or 'none'}"
         )
-    return found[0].diverged, "set by loss_scaling's max_consecutive_skips"
+    return plain(found[0]), "set by loss_scaling's max_consecutive_skips"
 
 
 def _under_checkify() -> bool:

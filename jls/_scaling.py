@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jls._state import LossScaleState, loss_scale_state
+from jls._state import LossScaleState
+from jls._tree import loss_scale_state
 
 
 def compute_dtype(dtype: Any) -> Any:

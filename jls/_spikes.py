@@ -19,13 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jls._hooks import Hook, StepInfo
+from jls._tree import plain
 from jls._validate import F32_MAX, integer, positive_f32, real
 
 _WATCHED = ("norm", "loss", "both")
 
 
 @dataclasses.dataclass(frozen=True)
-class SpikeRule:
+class SpikeRule(Hook):
     """Skip a step whose gradient norm (or loss) spikes; hashable, validated.
 
     A value ``x`` (the global norm of the unscaled gradients, or the loss
@@ -83,6 +85,8 @@ class SpikeRule:
         if self.watch not in _WATCHED:
             raise ValueError(f"watch must be one of {_WATCHED}, got {self.watch!r}")
 
+    name = "spikes"
+
     @property
     def watches_loss(self) -> bool:
         """Whether every step needs ``loss=``."""
@@ -92,6 +96,43 @@ class SpikeRule:
     def watches_norm(self) -> bool:
         """Whether the rule reads the gradient norm."""
         return self.watch != "loss"
+
+    @property
+    def needs_loss(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """Whether every step needs ``loss=``."""
+        return self.watches_loss
+
+    @property
+    def needs_norm(self) -> bool:  # pyright: ignore[reportIncompatibleVariableOverride]
+        """Whether the rule reads the gradient norm."""
+        return self.watches_norm
+
+    def init(self, params: Any) -> SpikeState:
+        """The statistics before the first step."""
+        del params
+        return init()
+
+    def veto(self, state: Any, info: StepInfo) -> jax.Array:
+        """Whether this step is a spike (see `is_spike`)."""
+        return is_spike(self, state, info.norm, info.loss)
+
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> SpikeState:
+        """The statistics after the step (see `advance`)."""
+        assert info.applied is not None
+        return advance(
+            self,
+            state,
+            applied=info.applied,
+            spike=vetoed,
+            norm=info.norm,
+            loss=info.loss,
+        )
+
+    @classmethod
+    def metrics(cls, state: Any) -> dict[str, Any]:
+        """``spike`` (the latest step was one) and ``total_spikes``."""
+        state = plain(state)
+        return {"spike": state.spike, "total_spikes": state.total_spikes}
 
 
 class SpikeState(NamedTuple):

@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jls._loss_scaling import LossScaling
 from jls._scaling import compute_dtype
 from jls._state import LossScaleState
-from jls._trees import merge, split_inexact
+from jls._transformation import LossScaling
+from jls._tree import merge, split_inexact
 from jls._validate import flag, integer
 
 
@@ -144,7 +144,7 @@ def train_step(
             "train_step(loss_fn, tx): loss_fn is an optax transformation; the "
             "arguments are swapped"
         )
-    scaling = LossScaling.of(tx)
+    scaling = LossScaling._of(tx)
     has_aux = flag("has_aux", has_aux)
     max_retries = integer("max_retries", max_retries, 0)
     accumulation_steps = integer("accumulation_steps", accumulation_steps, 1)
@@ -225,21 +225,11 @@ def train_step(
         return grads, jnp.mean(losses), auxes
 
     def step(params, opt_state, *batch):
-        state = scaling.check_state(opt_state)
+        state = scaling._check_state(opt_state)
 
         def attempt(loss_scale: LossScaleState):
             grads, loss, aux = scaled_grads(params, loss_scale.scale, batch)
-            return grads, loss, aux, scaling.decide(grads, loss_scale)
-
-        def backed_off(loss_scale: LossScaleState) -> LossScaleState:
-            # The rule's next state for a failed attempt, less the skip
-            # counters: a retry is not a step.
-            nxt = scaler.adjust(loss_scale, jnp.asarray(False))
-            return nxt._replace(
-                consecutive_skips=loss_scale.consecutive_skips,
-                total_skips=loss_scale.total_skips,
-                consecutive_nonfinite=loss_scale.consecutive_nonfinite,
-            )
+            return grads, loss, aux, scaling._decide(grads, loss_scale)
 
         loss_scale = state.loss_scale
         grads, loss, aux, decision = attempt(loss_scale)
@@ -248,23 +238,16 @@ def train_step(
 
             def again(carry):
                 loss_scale, _, _, _, _, retries = carry
-                lowered = backed_off(loss_scale)
-                # The measured rule adds headroom once per overflow, not
-                # once per retry (backed_off restores the overflow count).
-                headroom = jnp.where(
-                    retries == 0, lowered.headroom, loss_scale.headroom
-                )
-                loss_scale = lowered._replace(headroom=headroom)
+                loss_scale = scaler.retry(loss_scale, retries + 1)
                 return (loss_scale, *attempt(loss_scale), retries + 1)
 
             def worth_another(carry):
                 loss_scale, _, _, _, decision, retries = carry
-                finite = decision.finite
                 # A retry needs a valid scale (an out-of-range state is
                 # dropped, not retried) that the rule would lower.
-                lower = backed_off(loss_scale).scale < loss_scale.scale
+                lower = scaler.retry(loss_scale, retries + 1).scale < loss_scale.scale
                 valid = scaler.in_range(loss_scale.scale)
-                return ~finite & (retries < max_retries) & lower & valid
+                return ~decision.finite & (retries < max_retries) & lower & valid
 
             carry = lax.while_loop(
                 worth_another,
@@ -273,26 +256,23 @@ def train_step(
             )
             loss_scale, grads, loss, aux, decision, retries = carry
         state = state._replace(loss_scale=loss_scale)
-        spikes = scaling.skip_spikes
-        extra = {"loss": loss} if spikes is not None and spikes.watches_loss else {}
-        params, new_state = scaling.apply_gradients(
-            grads, state, params, decision, **extra
+        watched = any(h.needs_loss for h in scaling.hooks)
+        params, new_state = scaling._step(
+            grads,
+            state,
+            params,
+            {"loss": loss} if watched else {},
+            fused=True,
+            decision=decision,
+            retries=retries,
         )
-        new_loss_scale = new_state.loss_scale._replace(retries=retries)
-        # Retries that all failed: the headroom was added on the first one.
-        exhausted = (retries > 0) & ~decision.finite
-        new_loss_scale = new_loss_scale._replace(
-            headroom=jnp.where(exhausted, loss_scale.headroom, new_loss_scale.headroom)
-        )
-        new_state = new_state._replace(loss_scale=new_loss_scale)
-        finite, apply = decision.finite, new_state.loss_scale.consecutive_skips == 0
         out = StepOutput(
             loss=loss,
             aux=aux,
-            nonfinite=~finite,
-            skipped=~apply,
+            nonfinite=~decision.finite,
+            skipped=new_state.loss_scale.consecutive_skips > 0,
             loss_scale=loss_scale.scale,
-            next_loss_scale=new_loss_scale.scale,
+            next_loss_scale=new_state.loss_scale.scale,
             retries=retries,
         )
         return params, new_state, out

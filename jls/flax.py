@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
-import jls
+from jls._loss_scaling import apply_gradients, metrics
+from jls._transformation import LossScaling
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
@@ -65,22 +66,24 @@ class TrainState(train_state.TrainState):
         ``loss`` (the unscaled loss) goes to a ``jls.SpikeRule`` that watches
         it; the other keyword arguments replace fields, as flax's do.
         """
-        scaling = jls.LossScaling.of(self.tx)
+        scaling = LossScaling._of(self.tx)
         fp8 = OVERWRITE_WITH_GRADIENT in grads
         params = self.params["params"] if fp8 else self.params
         trainable = grads["params"] if fp8 else grads
         # The decision reads every value, the fp8 ones too (as Keras's
-        # check does); only the trainable gradients are unscaled, stepped and
-        # measured (fp8 scales and amax values do not scale with the loss).
-        loss_scale = scaling.check_state(self.opt_state).loss_scale
-        # The fp8 values join the check before the replicas agree on it.
-        fp8_values = grads[OVERWRITE_WITH_GRADIENT] if fp8 else None
-        decision = scaling.decide(trainable, loss_scale, also_finite=fp8_values)
+        # check does), before the replicas agree on it; only the trainable
+        # gradients are unscaled, stepped and measured (fp8 scales and amax
+        # values do not scale with the loss).
         extra = {} if loss is None else {"loss": loss}
-        new_params, opt_state = scaling.apply_gradients(
-            trainable, self.opt_state, params, decision, **extra
+        new_params, opt_state = scaling._step(
+            trainable,
+            self.opt_state,
+            params,
+            extra,
+            fused=True,
+            also_finite=grads[OVERWRITE_WITH_GRADIENT] if fp8 else None,
         )
-        applied = ~jls.metrics(opt_state)["skipped"]
+        applied = ~metrics(opt_state)["skipped"]
         if fp8:
             old = self.params[OVERWRITE_WITH_GRADIENT]
             new = grads[OVERWRITE_WITH_GRADIENT]
@@ -135,10 +138,10 @@ class Optimizer(nnx.Optimizer):
         graph = {} if getattr(self, "graph", None) is None else {"graph": self.graph}
         params = _pure(nnx.state(model, self.wrt, **graph))
         grad_arrays = _pure(nnx.state(grads, self.wrt, **graph))
-        new_params, opt_state = jls.apply_gradients(
+        new_params, opt_state = apply_gradients(
             self.tx, grad_arrays, _pure(self.opt_state), params, **_pure(kwargs)
         )
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(opt_state, **graph))
-        applied = ~jls.metrics(opt_state)["skipped"]
+        applied = ~metrics(opt_state)["skipped"]
         self.step[...] += applied.astype(self.step[...].dtype)

@@ -1,14 +1,28 @@
-"""Test configuration: warnings are errors (pyproject), strict rank promotion."""
+"""Test configuration: warnings are errors (pyproject), strict rank promotion.
+
+The tests import jls as it is installed (``--import-mode=importlib``: the
+checkout is not put on ``sys.path``), so that a module missing from the wheel
+fails them; with ``pip install -e`` the installed package is the checkout.
+Their own helpers (the reference models, the soak, shared test models) sit
+next to them in ``tests/`` and are imported by name.
+"""
 
 import os
+import pathlib
+import sys
 
 import hypothesis
 import jax
 import pytest
 
+TESTS = pathlib.Path(__file__).parent
+ROOT = TESTS.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
 # Scripts the distributed tests run in subprocesses (with their own devices
 # and arguments); not test modules.
-collect_ignore = ["scripts"]
+collect_ignore = ["integration/scripts"]
 
 hypothesis.settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True

@@ -150,9 +150,16 @@ def test_a_jls_0_2_checkpoint_with_spike_statistics_resumes(tmp_path):
     path = _save(tmp_path, old)
     state = jls.upgrade_state(_restore_raw(path), tx.init(PARAMS))
     assert float(state.loss_scale.headroom) == 4.0
-    assert int(state.spikes.count) == 40 and float(state.spikes.norm_mean) == 1.5
-    assert int(state.spikes.total_spikes) == 2 and bool(state.spikes.spike)
-    assert int(state.spikes.consecutive_spikes) == 0  # the new field, its default
+    assert (
+        int(state.hooks["spikes"].count) == 40
+        and float(state.hooks["spikes"].norm_mean) == 1.5
+    )
+    assert int(state.hooks["spikes"].total_spikes) == 2 and bool(
+        state.hooks["spikes"].spike
+    )
+    assert (
+        int(state.hooks["spikes"].consecutive_spikes) == 0
+    )  # the new field, its default
     assert float(jls.metrics(state)["gradient_norm"]) == 1.25
 
 

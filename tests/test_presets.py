@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import peers
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import jls
-from tests import peers
 
 P = jls.presets
 F32_MAX = float(np.finfo(np.float32).max)
@@ -505,7 +505,7 @@ def test_resuming_a_torch_run_inside_an_optax_state():
     }
     scaler, ls = P.from_torch_state_dict(sd)
     tx = jls.loss_scaling(optax.sgd(0.1), scaler)
-    opt_state = jls.replace_loss_scale_state(tx.init(params), ls)
+    opt_state = jls.set_loss_scale(tx.init(params), ls)
     grads = {"w": jnp.full((3,), 4096.0)}
     _, opt_state = jax.jit(tx.update)(grads, opt_state, params)
     assert float(jls.metrics(opt_state)["loss_scale"]) == 8192.0  # torch grows here
@@ -528,8 +528,11 @@ def test_bad_state_dicts():
         P.from_megatron_state_dict(
             {"scale": 8.0, "growth_tracker": 5000, "hysteresis_tracker": 2}
         )
-    with pytest.raises(TypeError, match="new must be a jls.LossScaleState"):
-        jls.replace_loss_scale_state(jls.no_scale().init(), {"scale": 1.0})
+    with pytest.raises(
+        TypeError,
+        match="scale must be a real number, a real scalar array or a jls.LossScale",
+    ):
+        jls.set_loss_scale(jls.no_scale().init(), {"scale": 1.0})
 
 
 def test_readme_preset_lines_run():

@@ -17,24 +17,14 @@ jls's float32 scale can differ from theirs in the last bits.
 State interchange: ``to_torch_state_dict``/``from_torch_state_dict``, the same
 for Paddle, and ``to_megatron_state_dict``/``from_megatron_state_dict`` carry
 a run's scale and counters to and from those frameworks' checkpoints; pair
-them with `jls.replace_loss_scale_state` to put the state into an optimizer
+them with `jls.set_loss_scale` to put the state into an optimizer
 state.
 """
 
-from jls.presets._frameworks import (
-    deepspeed,
-    flax,
-    jmp,
-    keras,
-    megatron,
-    mindspore,
-    mindspore_fixed,
-    nnabla,
-    paddle,
-    tensorflow,
-    tensorflow_v1,
-    torch,
-)
+from jls.presets._frameworks import mindspore, mindspore_fixed, nnabla, paddle, torch
+from jls.presets._jax import flax, jmp
+from jls.presets._keras import keras, tensorflow, tensorflow_v1
+from jls.presets._llm import deepspeed, megatron
 from jls.presets._state_dicts import (
     from_megatron_state_dict,
     from_paddle_state_dict,

@@ -3,7 +3,7 @@
 ``to_torch_state_dict``/``from_torch_state_dict``, the same for Paddle, and
 ``to_megatron_state_dict``/``from_megatron_state_dict`` carry a run's scale
 and counters to and from those frameworks' checkpoints; pair them with
-`jls.replace_loss_scale_state` to put the state into an optimizer state.
+`jls.set_loss_scale` to put the state into an optimizer state.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from jls._scaler import LossScaler, no_scale
-from jls._state import LossScaleState, loss_scale_state, make_state
+from jls._dynamic import DynamicScale
+from jls._rule import LossScaler
+from jls._state import LossScaleState, make_state
+from jls._static import no_scale
+from jls._tree import loss_scale_state
 from jls._validate import flag, integer, state_dict_number
-from jls.presets._frameworks import _check, _preset, megatron, paddle, torch
+from jls.presets._common import check, preset
+from jls.presets._frameworks import paddle, torch
+from jls.presets._llm import megatron
 
 
 def _state_dict(state_dict: Any) -> Mapping[str, Any]:
@@ -30,16 +35,17 @@ def _state_dict(state_dict: Any) -> Mapping[str, Any]:
     return state_dict
 
 
-def _check_exportable(scaler: LossScaler) -> None:
+def _check_exportable(scaler: LossScaler) -> DynamicScale:
     """The frameworks have the dynamic rule only: the measured one is refused."""
     if not isinstance(scaler, LossScaler):
         raise TypeError(f"scaler must be a jls.LossScaler, got {scaler!r:.200}")
-    if scaler.margin is not None:
+    if not isinstance(scaler, DynamicScale):
         raise ValueError(
             "scaler is jls.measured_scale(...), which no framework has: its "
             "state (scale, headroom) cannot be written as that framework's "
             "state_dict"
         )
+    return scaler
 
 
 def _disabled(scaler: LossScaler) -> bool:
@@ -80,7 +86,7 @@ def _same_rule(scaler: LossScaler, rebuilt: Callable[[], LossScaler], fmt: str) 
         )
 
 
-@_preset
+@preset
 def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     """The ``torch.amp.GradScaler.state_dict()`` of a jls run.
 
@@ -101,7 +107,7 @@ def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
       >>> jls.presets.to_torch_state_dict(scaler, scaler.init())["scale"]
       1024.0
     """
-    _check_exportable(scaler)
+    scaler = _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
         return {}
@@ -126,7 +132,7 @@ def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     }
 
 
-@_preset
+@preset
 def from_torch_state_dict(
     state_dict: Mapping[str, Any], **kwargs: Any
 ) -> tuple[LossScaler, LossScaleState]:
@@ -163,14 +169,15 @@ def from_torch_state_dict(
         growth_interval=state_dict["growth_interval"],
         **kwargs,
     )
-    _check(
+    assert isinstance(scaler, DynamicScale)
+    check(
         tracker < scaler.growth_interval,
         f"_growth_tracker must be < growth_interval, got {tracker!r}",
     )
     return scaler, make_state(scale, growth_count=tracker)
 
 
-@_preset
+@preset
 def to_paddle_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     """The ``paddle.amp.GradScaler.state_dict()`` of a jls run.
 
@@ -185,7 +192,7 @@ def to_paddle_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
       >>> jls.presets.to_paddle_state_dict(scaler, scaler.init())["incr_count"]
       0
     """
-    _check_exportable(scaler)
+    scaler = _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
         return {}
@@ -215,7 +222,7 @@ def to_paddle_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     }
 
 
-@_preset
+@preset
 def from_paddle_state_dict(
     state_dict: Mapping[str, Any], **kwargs: Any
 ) -> tuple[LossScaler, LossScaleState]:
@@ -260,22 +267,23 @@ def from_paddle_state_dict(
         use_dynamic_loss_scaling=dynamic,
         **kwargs,
     )
+    assert isinstance(scaler, DynamicScale)
     if not dynamic:
         return scaler, scaler.init()
     incr = integer("incr_count", state_dict["incr_count"], 0)
     decr = integer("decr_count", state_dict["decr_count"], 0)
-    _check(
+    check(
         incr < scaler.growth_interval,
         f"incr_count must be < incr_every_n_steps, got {incr!r}",
     )
-    _check(
+    check(
         decr < max(1, scaler.backoff_interval),
         f"decr_count must be < decr_every_n_nan_or_inf, got {decr!r}",
     )
     return scaler, make_state(scale, growth_count=incr, backoff_count=decr)
 
 
-@_preset
+@preset
 def to_megatron_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     """The ``DynamicGradScaler.state_dict()`` of a jls run.
 
@@ -288,7 +296,7 @@ def to_megatron_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]
       >>> jls.presets.to_megatron_state_dict(scaler, scaler.init())
       {'scale': 4294967296.0, 'growth_tracker': 0, 'hysteresis_tracker': 2}
     """
-    _check_exportable(scaler)
+    scaler = _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     _same_rule(
         scaler,
@@ -310,7 +318,7 @@ def to_megatron_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]
     }
 
 
-@_preset
+@preset
 def from_megatron_state_dict(
     state_dict: Mapping[str, Any], **kwargs: Any
 ) -> tuple[LossScaler, LossScaleState]:
@@ -336,8 +344,9 @@ def from_megatron_state_dict(
     state_dict = _state_dict(state_dict)
     scale = state_dict_number("state_dict['scale']", state_dict["scale"])
     scaler = megatron(initial_scale=scale, **kwargs)
+    assert isinstance(scaler, DynamicScale)
     tracker = integer("growth_tracker", state_dict["growth_tracker"], 0)
-    _check(
+    check(
         tracker < scaler.growth_interval,
         f"growth_tracker must be < growth_interval, got {tracker!r}",
     )

@@ -1,0 +1,53 @@
+"""The hooks that `jls.loss_scaling`'s keyword arguments stand for."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jls._diagnostics import Diagnostics
+from jls._divergence import Divergence
+from jls._hooks import Hook
+from jls._norm import GradientNorm
+from jls._spikes import SpikeRule
+from jls._validate import flag
+
+
+def builtin_hooks(
+    diagnostics: Any, max_consecutive_skips: Any, gradient_norm: Any, skip_spikes: Any
+) -> list[Hook]:
+    """The hooks the keyword arguments of `loss_scaling` stand for."""
+    hooks: list[Hook] = []
+    if flag("diagnostics", diagnostics):
+        hooks.append(Diagnostics())
+    if max_consecutive_skips is not None:
+        hooks.append(Divergence(max_consecutive_skips))
+    if flag("gradient_norm", gradient_norm):
+        hooks.append(GradientNorm())
+    if skip_spikes is not None:
+        if not isinstance(skip_spikes, SpikeRule):
+            raise TypeError(
+                f"skip_spikes must be a jls.SpikeRule or None, got {skip_spikes!r:.200}"
+            )
+        hooks.append(skip_spikes)
+    return hooks
+
+
+def all_hooks(
+    hooks: Sequence[Hook],
+    diagnostics: Any,
+    max_consecutive_skips: Any,
+    gradient_norm: Any,
+    skip_spikes: Any,
+) -> tuple[Hook, ...]:
+    """The built-in hooks the arguments stand for, then ``hooks``; names unique."""
+    if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
+        raise TypeError(f"hooks must be a sequence of jls.Hook, got {hooks!r:.200}")
+    out = (
+        *builtin_hooks(diagnostics, max_consecutive_skips, gradient_norm, skip_spikes),
+        *hooks,
+    )
+    names = [h.name for h in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"hooks must have distinct names, got {names}")
+    return out

@@ -1,0 +1,219 @@
+"""The decision: the check, the replicas' agreement and the hooks' vetoes.
+
+`Decisions` is the part of `jls.LossScaling` that decides whether a step is
+applied, kept apart from the part that applies it. It reads the gradients
+once (`jls._finite`'s magnitude check, or `jls._squares` when the rule or a
+hook needs the range or norm) and makes every replica agree: ``pmin``/``pmax``
+over ``axis_name`` and over every ``shard_map`` axis a value varies over,
+each in one collective. A user's hooks see only agreed values.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jls._finite import all_finite, unscaled_finite, varying_axes
+from jls._hooks import Hook, StepInfo, WrapperState
+from jls._rule import LossScaler
+from jls._squares import unscaled_measured, unscaled_norm
+from jls._state import LossScaleState, check_state
+
+
+class Decision(NamedTuple):
+    """A step's decision, agreed across replicas.
+
+    Attributes:
+      finite: the unscaled gradients are all finite and the scale is in range.
+      apply: the update is applied (before the hooks' vetoes).
+      magnitude: float32, the gradients' measured range (the largest
+        root-mean-square over the squares check's reductions, scaled).
+      norm: float32, the global norm of the unscaled gradients.
+    """
+
+    finite: jax.Array
+    apply: jax.Array
+    magnitude: jax.Array | None = None
+    norm: jax.Array | None = None
+
+
+class Decisions:
+    """How a `jls.LossScaling` decides: its ``scaler``, ``axis_name``, ``hooks``."""
+
+    scaler: LossScaler
+    axis_name: tuple[str, ...]
+    hooks: tuple[Hook, ...]
+
+    @property
+    def measures(self) -> bool:
+        """Whether the check is the squares check (the rule or a hook reads it)."""
+        return self.scaler.measures or any(h.needs_norm for h in self.hooks)
+
+    def _decide(
+        self, grads: Any, loss_scale: LossScaleState, *, also_finite: Any = None
+    ) -> Decision:
+        """The step's decision and measurements, agreed across replicas.
+
+        ``finite``: the unscaled gradients (and ``also_finite``) are all
+        finite and the scale lies in the rule's range. ``apply``: ``finite``,
+        or with ``skip_nonfinite=False`` any step whose scale is in range.
+        """
+        if not isinstance(loss_scale, LossScaleState):
+            hint = ""
+            if isinstance(loss_scale, WrapperState):
+                hint = " (this is the whole optimizer state: pass its .loss_scale)"
+            raise TypeError(
+                "loss_scale must be a jls.LossScaleState, got "
+                f"{type(loss_scale).__name__}{hint}: {loss_scale!r:.200}"
+            )
+        loss_scale = check_state(loss_scale, argname="loss_scale")
+        _check_gradient_dtypes(grads)
+        self._hint_bfloat16(grads)
+        scale = loss_scale.scale
+        below_one = self.scaler.min_scale_f32 < 1
+        magnitude = norm = None
+        if self.measures:
+            measured = unscaled_measured(
+                grads, scale, scale_may_be_below_one=below_one, named=self.axis_name
+            )
+            finite, magnitude = measured.finite, measured.magnitude
+            norm = unscaled_norm(measured, scale)
+        else:
+            finite = unscaled_finite(grads, scale, scale_may_be_below_one=below_one)
+        if also_finite is not None:
+            finite = finite & all_finite(also_finite)
+        finite, valid = self._agree([finite, self.scaler.in_range(scale)], lax.pmin)
+        finite = finite & valid
+        apply = finite if self.scaler.skip_nonfinite else valid
+        return Decision(finite, apply, magnitude, norm)
+
+    def _vetoes(
+        self, state: WrapperState, info: StepInfo, apply: jax.Array
+    ) -> tuple[dict[str, jax.Array], jax.Array | None]:
+        """Each vetoing hook's agreed veto, and whether one holds the scale.
+
+        A veto counts (skips, is recorded) only on a step that would have
+        been applied; a holding one holds the rule on any step. All are
+        agreed across replicas in one collective.
+        """
+        names, flags = [], []
+        for h in self.hooks:
+            veto = h.veto(state.hooks[h.name], info)
+            if veto is not None:
+                veto = jnp.asarray(veto)
+                if veto.dtype != jnp.bool_ or veto.shape != ():
+                    raise TypeError(
+                        f"hook {h.name!r}: veto must return a scalar bool or None, "
+                        f"got dtype {veto.dtype} and shape {veto.shape}"
+                    )
+                names.append(h.name)
+                flags.append(veto)
+        if not flags:
+            return {}, None
+        agreed = dict(zip(names, self._agree(flags, lax.pmax), strict=True))
+        vetoed = {n: apply & v for n, v in agreed.items()}
+        # A holding veto holds the rule whether or not the step would have
+        # been applied (a nan loss usually brings nan gradients with it).
+        holding = [
+            agreed[h.name] for h in self.hooks if h.holds_scale and h.name in agreed
+        ]
+        held = None
+        if holding:
+            held = holding[0]
+            for v in holding[1:]:
+                held = held | v
+        return vetoed, held
+
+    def _pop_loss(self, extra_args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """``loss=`` for the hooks that watch it, taken out of the inner's args.
+
+        Every replica watches the same loss: the replicas' mean (non-finite
+        if any replica's is).
+        """
+        watchers = [h.name for h in self.hooks if h.needs_loss]
+        if not watchers:
+            return None, extra_args
+        rest = dict(extra_args)
+        loss = rest.pop("loss", None)
+        if loss is None:
+            raise TypeError(
+                f"the hooks {watchers} watch the loss: pass loss=<the unscaled "
+                "loss> to update / apply_gradients (jls.train_step passes it)"
+            )
+        loss = jnp.asarray(loss)
+        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise TypeError(
+                f"loss must be a floating scalar, got dtype {loss.dtype} and shape "
+                f"{loss.shape}"
+            )
+        loss = loss.astype(jnp.float32)
+        axes = self.axis_name + tuple(sorted(varying_axes(loss) - set(self.axis_name)))
+        return (lax.pmean(loss, axes) if axes else loss), rest
+
+    def _agree(self, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
+        """Bool ``flags`` reduced across replicas, in one collective.
+
+        ``reduce`` is ``lax.pmin`` (true on every replica) or ``lax.pmax``
+        (true on any), over ``axis_name`` and every ``shard_map`` axis the
+        flags vary over: under ``shard_map`` a flag computed from gradients
+        sharded over an axis the user did not name (model-parallel
+        parameters, say) varies over it too.
+        """
+        named = self.axis_name
+        out = []
+        for group in _by_shape(flags):
+            stacked = jnp.stack([f.astype(jnp.int32) for f in group])
+            axes = named + tuple(sorted(varying_axes(stacked) - set(named)))
+            agreed = reduce(stacked, axes) > 0 if axes else stacked > 0
+            out.extend(agreed[i] for i in range(len(group)))
+        return out
+
+    def _hint_bfloat16(self, grads: Any) -> None:
+        """Warns, at trace time, that bfloat16 gradients need no dynamic scale."""
+        if self.scaler.measures or not self.scaler.is_dynamic:
+            return
+        dtypes = {
+            np.dtype(x.dtype)
+            for x in jax.tree.leaves(grads)
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+        }
+        if dtypes == {np.dtype(jnp.bfloat16)}:
+            warnings.warn(
+                "every gradient is bfloat16, which has float32's range: a dynamic "
+                "loss scale only costs time there. For skip-on-nan use "
+                "jls.loss_scaling(inner, jls.no_scale()); loss scaling is for "
+                "float16 (and fp8) gradients",
+                UserWarning,
+                stacklevel=5,
+            )
+
+
+def _by_shape(flags: list[jax.Array]) -> list[list[jax.Array]]:
+    """``flags`` grouped by shape, in order (scalars together)."""
+    groups: dict[tuple[int, ...], list[jax.Array]] = {}
+    for f in flags:
+        groups.setdefault(tuple(f.shape), []).append(f)
+    if len(groups) == 1:
+        return list(groups.values())
+    return [[f] for f in flags]
+
+
+def _check_gradient_dtypes(grads: Any) -> None:
+    """Refuses, at trace time, gradient dtypes that cannot hold a zero update.
+
+    ``float8_e8m0fnu`` (an exponent-only scale format) has no zero: any
+    optimizer's update, and jls's skipped-step zeros, would be nan.
+    """
+    for leaf in jax.tree.leaves(grads):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and np.dtype(dtype).name == "float8_e8m0fnu":
+            raise TypeError(
+                "a gradient leaf has dtype float8_e8m0fnu, which has no zero: it "
+                "cannot hold gradients or updates (every zero becomes nan). Keep "
+                "such scale factors out of the optimized tree (e.g. optax.masked)."
+            )

@@ -1,0 +1,127 @@
+"""Which gradient leaves overflowed: ``loss_scaling(..., diagnostics=True)``.
+
+The hook keeps a tree of flags like the parameters. On a finite step (the
+common case) every flag is ``False`` without looking at the gradients
+again; only a skipped step pays for a second, exact pass, inside a
+``lax.cond``. The flags are reduced over the replicas (a leaf is flagged if
+it was non-finite on any), and `nonfinite_paths` names them on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jls._hooks import Hook, StepInfo, WrapperState
+from jls._scaling import reciprocals, unscale_leaf
+from jls._tree import find_one, plain
+
+
+def _empty_slice(x: jax.Array) -> jax.Array:
+    """An empty slice of ``x``, without reshaping it (it may be sharded)."""
+    if not x.ndim:
+        return x.reshape(1)[:0]
+    return x[tuple(slice(0, 0) for _ in range(x.ndim))]
+
+
+def nonfinite_leaf_flags(tree: Any, finite: jax.Array, scale: jax.Array) -> Any:
+    """Per-leaf flags: which leaves of ``unscale(tree)`` are not all finite.
+
+    ``finite`` is the step's decision. Leaves that are not floating get
+    ``False``.
+    """
+
+    def per_leaf(op):
+        def run(xs):
+            out = []
+            for x in xs:
+                x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+                inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+                out.append(op(x) if inexact else jnp.asarray(False))
+            return out
+
+        return run
+
+    # The finite branch's False is derived from each leaf (an empty reduction
+    # reads nothing) so both branches carry the same varying axes under
+    # shard_map.
+    no_flags = per_leaf(lambda x: jnp.any(jnp.isnan(_empty_slice(x))))
+    leaves, treedef = jax.tree.flatten(tree)
+    factors = reciprocals(scale, leaves)
+    flags = per_leaf(lambda x: ~jnp.all(jnp.isfinite(unscale_leaf(x, factors))))
+    return jax.tree.unflatten(treedef, lax.cond(finite, no_flags, flags, leaves))
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnostics(Hook):
+    """Records which gradient leaves were not finite on the latest step."""
+
+    name = "diagnostics"
+
+    def init(self, params: Any) -> Any:
+        return jax.tree.map(lambda _: jnp.asarray(np.bool_(False)), params)
+
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+        del vetoed
+        new = nonfinite_leaf_flags(info.grads, info.finite, info.scale)
+        if jax.tree.structure(new) != jax.tree.structure(state):
+            raise TypeError(
+                "with diagnostics=True the gradients must have the structure of "
+                f"the parameters: {jax.tree.structure(state)}, got "
+                f"{jax.tree.structure(new)}"
+            )
+        leaves, treedef = jax.tree.flatten(new)  # non-finite on any replica
+        return jax.tree.unflatten(treedef, info.any_replica(leaves)) if leaves else new
+
+    @classmethod
+    def metrics(cls, state: Any) -> dict[str, Any]:
+        return {"nonfinite_leaves": plain(state)}
+
+
+def nonfinite_paths(opt_state: Any) -> list[str]:
+    """On the host: the paths of the gradient leaves that were not finite.
+
+    Reads the state (a sync point); use it when ``metrics()["skipped"]``.
+
+    Args:
+      opt_state: the state of a ``jls.loss_scaling(..., diagnostics=True)``
+        transformation, or any optimizer state containing it.
+
+    Returns:
+      Key paths such as ``"['dense']['kernel']"``, in tree order; empty after
+      a finite step.
+
+    Raises:
+      ValueError: if the state has no diagnostics.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), diagnostics=True)
+      >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+      >>> grads = {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}
+      >>> _, state = tx.update(grads, tx.init(params), params)
+      >>> jls.nonfinite_paths(state)
+      ["['b']"]
+    """
+    wrapper = find_one(
+        opt_state,
+        WrapperState,
+        "jls.loss_scaling state",
+        "Pass the state of a jls.loss_scaling(..., diagnostics=True) transformation.",
+    )
+    flags = plain(wrapper.hooks).get(Diagnostics.name)
+    if flags is None:
+        raise ValueError(
+            "this state records no per-leaf diagnostics: make the transformation "
+            "with jls.loss_scaling(..., diagnostics=True)"
+        )
+    return [
+        jax.tree_util.keystr(path)
+        for path, flag in jax.tree_util.tree_flatten_with_path(flags)[0]
+        if bool(np.any(np.asarray(flag)))
+    ]

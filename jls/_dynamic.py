@@ -1,0 +1,348 @@
+"""The dynamic rule: grow while finite, back off on overflow (and its presets).
+
+In pseudo-code (Micikevicius et al., 2018)::
+
+    if grads_finite:
+        growth_count += 1
+        if growth_count == growth_interval:      # the interval-th finite step
+            growth_count = 0
+            if scale * growth_factor <= max_scale:
+                scale = scale * growth_factor     # else the scale stays
+            backoff_count = 0                     # hysteresis restored
+        if backoff_interval > 1 or consecutive_hysteresis:
+            backoff_count = 0
+    else:
+        growth_count = 0
+        backoff_count += 1   # (kept at 0 when backoff_interval == hysteresis == 1)
+        if backoff_count >= max(backoff_interval, hysteresis):
+            scale = max(scale * backoff_factor, min_scale)
+            if backoff_interval > 1: backoff_count = 0   # the count restarts
+            # with hysteresis the count stays: every further non-finite step
+            # backs off again until the scale next grows
+
+A static scaler is the same rule with both factors 1 (`jls._static`). Other
+frameworks' variants are configuration of
+this rule (`jls.presets`), never separate code paths. The defaults are
+`DynamicScale`'s field defaults, written once; `dynamic_scale`'s signature
+refers to them.
+
+References:
+  Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jls._rule import SINGLE_FACTOR_MAX, LossScaler, bounds
+from jls._state import LossScaleState, make_state
+from jls._validate import factor, flag, integer, positive_f32, real
+
+Namer = Callable[[str], str]
+
+
+def own(field: str) -> str:
+    """A field's own name (the `Namer` of jls's factories)."""
+    return field
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamicScale(LossScaler):
+    """The dynamic rule's configuration; see `dynamic_scale` for each field.
+
+    ``backoff_factor``, ``first_growth_interval`` and ``init_growth_count``
+    are stored resolved (``None`` in `dynamic_scale` means their default).
+    """
+
+    init_scale: float = 2.0**15
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    first_growth_interval: int | None = None
+    init_growth_count: int | None = None
+    saturate_growth: bool = False
+    backoff_divisor: float | None = None
+    backoff_interval: int = 1
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+    max_scale: float = SINGLE_FACTOR_MAX
+    skip_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key, value in validated(fields, own).items():
+            object.__setattr__(self, key, value)
+
+    @classmethod
+    def named(cls, name: Namer, **fields: Any) -> DynamicScale:
+        """The rule from ``fields`` (the rest default), errors naming ``name(f)``.
+
+        For presets, which take other frameworks' argument names.
+        """
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults["backoff_factor"] = None  # resolved from backoff_divisor
+        unknown = set(fields) - set(defaults)
+        if unknown:
+            raise TypeError(f"unknown scaler fields: {sorted(unknown)}")
+        return cls(**validated({**defaults, **fields}, name))
+
+    @property
+    def growth_restart(self) -> int:
+        """The growth count after a non-finite step.
+
+        0, or negative when the first growth after the start or a non-finite
+        step takes ``first_growth_interval > growth_interval`` steps.
+        """
+        assert self.first_growth_interval is not None
+        return self.growth_interval - self.first_growth_interval
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether the scale can ever change."""
+        return self.growth_factor != 1 or self.backoff_factor != 1
+
+    def init(self) -> LossScaleState:
+        """Returns the state before the first step (see `jls.LossScaler.init`).
+
+        Example:
+          >>> import jls
+          >>> jls.dynamic_scale(init_scale=1024).init().scale
+          Array(1024., dtype=float32)
+        """
+        count = self.init_growth_count
+        return make_state(self.init_scale, growth_count=0 if count is None else count)
+
+    def restart(self, scale: jax.Array) -> LossScaleState:
+        """A fresh start at ``scale``: the growth count at its restart value."""
+        return make_state(1.0, growth_count=self.growth_restart)._replace(scale=scale)
+
+    def _next(self, state, finite, dropped, magnitude, retries):
+        del dropped, magnitude, retries  # the dynamic rule reads neither
+        f32, i32 = jnp.float32, jnp.int32
+        scale = state.scale
+        # Growth: on the growth_interval-th consecutive finite step (counting
+        # from growth_restart after the start or a non-finite step), unless
+        # the grown scale would exceed max_scale: then it stays (or, with
+        # saturate_growth, lands on max_scale).
+        count = optax.safe_increment(state.growth_count)
+        at_interval = finite & (count >= i32(self.growth_interval))
+        grown = scale * f32(self.growth_factor)
+        if self.saturate_growth:
+            grown = jnp.minimum(grown, f32(self.max_scale))
+            grow = at_interval
+        else:
+            grow = at_interval & (grown <= f32(self.max_scale))
+        growth_count = jnp.where(
+            finite,
+            jnp.where(at_interval, i32(0), count),
+            i32(self.growth_restart),
+        )
+        backoff, backoff_count = self._backoff(state, finite, at_interval)
+        if not self.is_dynamic:
+            return scale, growth_count, backoff_count, state.headroom
+        backed = jnp.maximum(self._backed(scale), f32(self.min_scale))
+        scale = jnp.where(grow, grown, jnp.where(backoff, backed, scale))
+        return scale, growth_count, backoff_count, state.headroom
+
+    def _backoff(
+        self, state: LossScaleState, finite: jax.Array, at_interval: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(back off now, the next backoff_count)``."""
+        i32 = jnp.int32
+        backoff_after = max(self.backoff_interval, self.hysteresis)
+        if backoff_after == 1:  # the plain rule: every non-finite step backs off
+            return ~finite, state.backoff_count
+        bad = jnp.minimum(state.backoff_count, i32(backoff_after - 1)) + i32(1)
+        backoff = ~finite & (bad >= i32(backoff_after))
+        if self.backoff_interval > 1:  # the count restarts
+            after_backoff = jnp.where(backoff, i32(0), bad)
+        else:  # hysteresis: stays spent until the next growth
+            after_backoff = bad
+        if self.backoff_interval > 1 or self.consecutive_hysteresis:
+            after_finite = i32(0)
+        else:
+            after_finite = jnp.where(at_interval, i32(0), state.backoff_count)
+        return backoff, jnp.where(finite, after_finite, after_backoff)
+
+    def _backed(self, scale: jax.Array) -> jax.Array:
+        """The scale after one back-off (before the floor)."""
+        f32 = jnp.float32
+        if self.backoff_divisor is None:
+            return scale * f32(self.backoff_factor)
+        # XLA rewrites a division by a constant into a multiplication by its
+        # rounded reciprocal (x / 3 -> x * 0.33333334), and an optimization
+        # barrier does not survive to that pass under vmap. A divisor that
+        # depends on the scale is no constant: `scale - scale` is 0 for every
+        # finite scale (XLA never folds x - x for floats, because of nan), and
+        # a non-finite scale is clamped afterwards.
+        return scale / (f32(self.backoff_divisor) + (scale - scale))
+
+
+def validated(fields: Mapping[str, Any], name: Namer) -> dict[str, Any]:
+    """The dynamic rule's fields, validated and resolved.
+
+    ``name(field)`` is the argument name an error message uses: the field's
+    own for `dynamic_scale`, the framework's for a preset. ``None`` for
+    ``backoff_factor``, ``first_growth_interval`` or ``init_growth_count``
+    means its default.
+    """
+    out = dict(fields)
+    out["init_scale"] = positive_f32(name("init_scale"), fields["init_scale"])
+    out["growth_factor"] = factor(
+        name("growth_factor"), fields["growth_factor"], below_one=False
+    )
+    out["backoff_factor"], out["backoff_divisor"] = _backoff_pair(fields, name)
+    interval = integer(name("growth_interval"), fields["growth_interval"], 1)
+    out["growth_interval"] = interval
+    first = fields["first_growth_interval"]
+    out["first_growth_interval"] = first = integer(
+        name("first_growth_interval"), interval if first is None else first, interval
+    )
+    count = fields["init_growth_count"]
+    out["init_growth_count"] = integer(
+        name("init_growth_count"),
+        interval - first if count is None else count,
+        interval - first,
+        interval - 1,
+    )
+    for key in ("backoff_interval", "hysteresis"):
+        out[key] = integer(name(key), fields[key], 1)
+    if out["backoff_interval"] > 1 and out["hysteresis"] > 1:
+        raise ValueError(
+            f"set at most one of {name('backoff_interval')} and "
+            f"{name('hysteresis')} above 1 (two different rules), got "
+            f"{out['backoff_interval']!r} and {out['hysteresis']!r}"
+        )
+    for key in ("saturate_growth", "consecutive_hysteresis", "skip_nonfinite"):
+        out[key] = flag(name(key), fields[key])
+    out.update(bounds(fields, name))
+    return out
+
+
+def _backoff_pair(fields: Mapping[str, Any], name: Namer) -> tuple[float, float | None]:
+    """``(backoff_factor, backoff_divisor)``: at most one given, both valid."""
+    backoff, divisor = fields["backoff_factor"], fields["backoff_divisor"]
+    if divisor is None:
+        backoff = 0.5 if backoff is None else backoff
+        return factor(name("backoff_factor"), backoff, below_one=True), None
+    divisor = factor(name("backoff_divisor"), divisor, below_one=False)
+    if backoff is not None and real(name("backoff_factor"), backoff) != 1 / divisor:
+        raise ValueError(
+            f"give {name('backoff_factor')} or {name('backoff_divisor')}, not "
+            f"both; got {backoff!r} and {divisor!r}"
+        )
+    # The factor the divisor implies must be a normal float32 too: named after
+    # the argument the user gave.
+    return factor(f"1 / {name('backoff_divisor')}", 1 / divisor, below_one=True), (
+        divisor
+    )
+
+
+_D = DynamicScale  # the defaults, written once as the dataclass's
+
+
+def dynamic_scale(
+    init_scale: float = _D.init_scale,
+    *,
+    growth_factor: float = _D.growth_factor,
+    backoff_factor: float | None = None,
+    growth_interval: int = _D.growth_interval,
+    first_growth_interval: int | None = _D.first_growth_interval,
+    init_growth_count: int | None = _D.init_growth_count,
+    saturate_growth: bool = _D.saturate_growth,
+    backoff_divisor: float | None = _D.backoff_divisor,
+    backoff_interval: int = _D.backoff_interval,
+    hysteresis: int = _D.hysteresis,
+    consecutive_hysteresis: bool = _D.consecutive_hysteresis,
+    min_scale: float = _D.min_scale,
+    max_scale: float = _D.max_scale,
+    skip_nonfinite: bool = _D.skip_nonfinite,
+) -> LossScaler:
+    """The dynamic loss-scale rule: grow while finite, back off on overflow.
+
+    The knobs past the first five express other frameworks' rules as
+    configuration of this one; `jls.presets` sets them for each framework.
+
+    Args:
+      init_scale: the first step's scale. Must lie in ``[min_scale,
+        max_scale]``.
+      growth_factor: multiplies the scale on growth; ``>= 1``.
+      backoff_factor: multiplies the scale on back-off; in ``(0, 1]``.
+        Default 0.5.
+      growth_interval: the scale grows on this many consecutive finite steps;
+        a non-finite step restarts the count.
+      first_growth_interval: the first growth after the start or after a
+        non-finite step comes on this many consecutive finite steps, later
+        ones every ``growth_interval`` (DeepSpeed, nnabla).
+        ``>= growth_interval``; default ``growth_interval``.
+      init_growth_count: the growth count before the first step (to resume a
+        run). Default: a fresh count.
+      saturate_growth: a growth that would exceed ``max_scale`` lands on
+        ``max_scale`` instead of being skipped (flax).
+      backoff_divisor: back off by dividing the scale by this (``>= 1``)
+        instead of multiplying by ``backoff_factor`` (Keras, TensorFlow, jmp,
+        DeepSpeed, nnabla); in float32, ``x / 3`` and ``x * (1 / 3)``
+        differ. Give at most one of the two.
+      backoff_interval: back off once every this many consecutive non-finite
+        steps; a finite step clears the count (Paddle). 1 (default) backs off
+        on every non-finite step.
+      hysteresis: the first ``hysteresis - 1`` non-finite steps since the
+        last growth are tolerated (skipped without backing off); from then on
+        every non-finite step backs off until the scale next grows (Megatron,
+        DeepSpeed). At most one of ``backoff_interval`` and ``hysteresis``
+        may exceed 1.
+      consecutive_hysteresis: any finite step (not only a growth) restores
+        the hysteresis (DeepSpeed).
+      min_scale: the floor; back-off never goes below it, so the scale never
+        reaches 0. May be below 1 (every scale in ``[min_scale, max_scale]``
+        is handled without false negatives).
+      max_scale: the ceiling; a growth that would exceed it is not taken, so
+        the scale never reaches inf. Default 2**126, the largest power of two
+        whose reciprocal is a normal float32: up to it one multiplication
+        unscales exactly. A larger ``max_scale`` (up to the float32 maximum,
+        as the presets of peers without a cap use) unscales with two
+        factors, exactly too, at a small compile-time cost.
+      skip_nonfinite: drop a step whose gradients are not finite (default).
+        ``False`` applies it anyway; the step then counts in
+        ``consecutive_nonfinite`` but not as a skip.
+
+    Returns:
+      A `LossScaler`.
+
+    Raises:
+      TypeError: if an argument has the wrong type (the message names it).
+      ValueError: if an argument is out of range (the message names it).
+
+    Example:
+      >>> import jls
+      >>> scaler = jls.dynamic_scale(init_scale=2.0**10, growth_interval=100)
+      >>> scaler.init().scale
+      Array(1024., dtype=float32)
+      >>> jls.dynamic_scale(backoff_factor=2.0)
+      Traceback (most recent call last):
+      ...
+      ValueError: backoff_factor must be in (0, 1], got 2.0
+    """
+    return DynamicScale(
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,  # pyright: ignore[reportArgumentType]
+        growth_interval=growth_interval,
+        first_growth_interval=first_growth_interval,
+        init_growth_count=init_growth_count,
+        saturate_growth=saturate_growth,
+        backoff_divisor=backoff_divisor,
+        backoff_interval=backoff_interval,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        skip_nonfinite=skip_nonfinite,
+    )

@@ -1,0 +1,182 @@
+"""The seam: hooks the step consults, and the transformation's state.
+
+Every optional feature of a step is a `Hook`: the gradient norm, the per-leaf
+diagnostics, the divergence flag and the spike rule (each in a module of its
+own), and any veto a user writes. The core (`jls.LossScaling`) knows hooks
+only through this class, so adding one never grows it. A step, inside
+``jit``:
+
+1. The check decides whether the gradients are finite (and measures their
+   norm if a hook asked for it); every replica agrees.
+2. Each hook's `Hook.veto` may skip the step (a spike, a loss above a limit);
+   the vetoes are agreed across replicas in one collective. A hook whose
+   veto ``holds_scale`` also leaves the scale rule where it was.
+3. The update is applied or skipped (one ``lax.cond``), and the scale rule
+   advances.
+4. Each hook's `Hook.update` records what it keeps (statistics, flags).
+
+A user's own veto, in a few lines::
+
+    class SkipHighLoss(jls.Hook):
+        name = "skip_high_loss"
+        needs_loss = True
+
+        def __init__(self, limit):
+            self.limit = limit
+
+        def veto(self, state, info):
+            return info.loss > self.limit
+
+    tx = jls.loss_scaling(optax.adam(1e-3), hooks=[SkipHighLoss(10.0)])
+
+(`jls.train_step` passes the loss; with ``tx.update`` pass ``loss=``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from jls._state import LossScaleState
+
+
+class WrapperState(NamedTuple):
+    """The state of a `jls.loss_scaling` transformation.
+
+    Attributes:
+      loss_scale: the `jls.LossScaleState` (scale and counters).
+      inner_state: the wrapped optimizer's state; bitwise unchanged by a
+        skipped step.
+      hooks: each hook's state, by the hook's name (``"gradient_norm"``,
+        ``"diagnostics"``, ``"divergence"``, ``"spikes"``, a user's).
+    """
+
+    loss_scale: LossScaleState
+    inner_state: Any
+    hooks: dict[str, Any] = {}
+
+
+class StepInfo(NamedTuple):
+    """What a hook sees of a step. Every value is agreed across replicas.
+
+    Attributes:
+      grads: the scaled gradients, as given to the step.
+      scale: the float32 scale they were scaled with.
+      finite: whether they are all finite and the scale was in range.
+      norm: the global norm of the unscaled gradients (float32), when a hook
+        has ``needs_norm``; else ``None``.
+      loss: the unscaled loss (float32; the replicas' mean), when given
+        (``loss=``, or by `jls.train_step`); else ``None``.
+      applied: in `Hook.update`, whether the update was applied; ``None`` in
+        `Hook.veto`.
+      loss_scale: in `Hook.update`, the `jls.LossScaleState` after the step;
+        ``None`` in `Hook.veto`.
+      any_replica: reduces a list of scalar (or per-leaf) bools over the
+        replicas: true where any replica's is. For a hook's own values
+        computed from each replica's gradients.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> class Seen(jls.Hook):  # records the latest norm and whether applied
+      ...     name = "seen"
+      ...     needs_norm = True
+      ...     def init(self, params):
+      ...         return (jnp.float32(0), jnp.bool_(False))
+      ...     def update(self, state, info, vetoed):
+      ...         return (info.norm, info.applied)
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.no_scale(), hooks=[Seen()])
+      >>> params = {"w": jnp.ones(4)}
+      >>> _, state = tx.update({"w": jnp.full(4, 0.5)}, tx.init(params), params)
+      >>> float(state.hooks["seen"][0]), bool(state.hooks["seen"][1])
+      (1.0, True)
+    """
+
+    grads: Any
+    scale: jax.Array
+    finite: jax.Array
+    norm: jax.Array | None
+    loss: jax.Array | None
+    applied: jax.Array | None
+    loss_scale: LossScaleState | None
+    any_replica: Callable[[list[jax.Array]], list[jax.Array]]
+
+
+class Hook:
+    """A veto or a statistic the step consults; override what you need.
+
+    Subclasses set ``name`` (the key of the hook's state, unique among a
+    transformation's hooks) and the flags they need; every method has a
+    default that does nothing. Hooks are configuration: make them immutable
+    (a frozen dataclass, say), so that a transformation is too. `metrics`
+    is a classmethod: `jls.metrics` reads a state without the hook objects,
+    finding each hook's class by its ``name``.
+
+    Attributes:
+      name: the key of this hook's state in the transformation's state.
+      needs_norm: the step must measure the gradients' norm (the check is
+        then the sum-of-squares check; no second pass).
+      needs_loss: every step must be given ``loss=`` (the unscaled loss).
+      holds_scale: a step this hook skips leaves the scale rule where it was
+        (a non-finite loss says nothing about the scale); otherwise the rule
+        advances as for any finite step.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> class SkipHighLoss(jls.Hook):
+      ...     name = "skip_high_loss"
+      ...     needs_loss = True
+      ...     def veto(self, state, info):
+      ...         return info.loss > 10.0
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), hooks=[SkipHighLoss()])
+      >>> params = {"w": jnp.ones(2)}
+      >>> state = tx.init(params)
+      >>> _, state = tx.update(params, state, params, loss=jnp.float32(50.0))
+      >>> bool(jls.metrics(state)["skipped"])
+      True
+    """
+
+    name: str = "hook"
+    needs_norm: bool = False
+    needs_loss: bool = False
+    holds_scale: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            _REGISTRY[cls.name] = cls
+
+    def init(self, params: Any) -> Any:
+        """The hook's state before the first step (a pytree of arrays)."""
+        del params
+        return ()
+
+    def veto(self, state: Any, info: StepInfo) -> jax.Array | None:
+        """A scalar bool: skip this step. ``None``: no opinion."""
+        del state, info
+        return None
+
+    def update(self, state: Any, info: StepInfo, vetoed: jax.Array) -> Any:
+        """The hook's state after the step (``vetoed``: this hook skipped it)."""
+        del info, vetoed
+        return state
+
+    @classmethod
+    def metrics(cls, state: Any) -> dict[str, Any]:
+        """What `jls.metrics` reports of this hook's state."""
+        del state
+        return {}
+
+
+_REGISTRY: dict[str, type[Hook]] = {}
+
+
+def hook_metrics(hooks: dict[str, Any]) -> dict[str, Any]:
+    """Every hook's `Hook.metrics`, from the states by name."""
+    out: dict[str, Any] = {}
+    for name, state in hooks.items():
+        cls = _REGISTRY.get(name)
+        if cls is not None:
+            out.update(cls.metrics(state))
+    return out

@@ -1,0 +1,292 @@
+"""The measured rule: the scale read off the gradients' range.
+
+The dynamic rule finds its scale by overflowing: it grows blindly every
+``growth_interval`` steps and learns it went too far by losing a step. This
+rule reads the scale off the gradients instead. The finite check reads every
+gradient once anyway; with this rule it is a sum of squares (`jls._squares`),
+which also gives each reduction's root-mean-square at no extra memory
+traffic. After a finite step the next scale is the largest power of two at
+which the largest of those root-mean-squares stays ``margin * headroom``
+below the compute dtype's maximum, and at most ``max_growth`` times the
+current scale: so it follows the gradients down at once, without a skipped
+step, and up by at most ``max_growth`` per step.
+
+Design choices, with their evidence (``benchmarks/bench_scalers.py``,
+``benchmarks/probe_activation_range.py``; the README quotes both):
+
+* The statistic is the RMS, not the max ``|g|``: on XLA:CPU a max reduction
+  costs about 12x a sum, and the RMS comes free from the sum of squares.
+* The gradients jls sees are the parameters'; an overflow in the backward
+  pass happens in activation gradients, whose range the margin must cover.
+  So the dynamic rule's fallback stays: a non-finite step backs off, and the
+  first overflow of a run of them doubles ``headroom`` (a field of the
+  state); every ``history`` finite steps halve it again, down to 1. An
+  absolute ceiling set by an overflow was tried and rejected: an early
+  overflow pinned the demo at 2**17 for the whole run.
+* Scales and headroom are powers of two, so unscaling is exact: every number
+  that makes or moves one must be a power of two, the cap is the largest
+  power of two at most ``max_scale``, and a scale that is not one (set by
+  hand, or from a checkpoint) is out of range: its step is dropped and the
+  next scale is a power of two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jls._rule import SINGLE_FACTOR_MAX, LossScaler, bounds, is_pow2
+from jls._validate import F32_MAX, factor, flag, integer, real, to_f32
+
+_HEADROOM_MAX = 2.0**64  # the most headroom overflows can add
+
+
+def _is_pow2_array(x: jax.Array) -> jax.Array:
+    """Whether each element of ``x`` is a positive, normal power of two."""
+    mantissa, _ = jnp.frexp(x)
+    return (mantissa == 0.5) & (x >= jnp.finfo(x.dtype).tiny) & jnp.isfinite(x)
+
+
+def _pow2_floor(x: jax.Array) -> jax.Array:
+    """The largest power of two <= ``x`` (positive and finite)."""
+    _, exponent = jnp.frexp(x)
+    return jnp.ldexp(jnp.ones((), x.dtype), exponent - 1)
+
+
+def _compute_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` as a floating numpy dtype no wider than float32."""
+    try:
+        is_array = isinstance(dtype, jax.Array | np.ndarray)
+        dt = None if dtype is None or is_array else np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, got {dtype!r:.100}")
+    if float(jnp.finfo(dt).max) > F32_MAX:
+        raise ValueError(
+            f"dtype must be a compute dtype no wider than float32, got {dt.name}"
+        )
+    return dt
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeasuredScale(LossScaler):
+    """The measured rule's configuration; see `measured_scale` for each field."""
+
+    margin: float = 2.0**8
+    history: int = 1000
+    dtype: Any = np.dtype(np.float16)
+    init_scale: float = 2.0**15
+    max_growth: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+    max_scale: float = SINGLE_FACTOR_MAX
+    skip_nonfinite: bool = True
+
+    measures = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        margin = real("margin", self.margin)
+        if not 1 <= margin <= F32_MAX:
+            raise ValueError(f"margin must be in [1, {F32_MAX!r}], got {margin!r}")
+        set_(self, "margin", margin)
+        set_(self, "history", integer("history", self.history, 1))
+        set_(self, "dtype", _compute_dtype(self.dtype))
+        set_(self, "max_growth", factor("max_growth", self.max_growth, below_one=False))
+        set_(
+            self,
+            "backoff_factor",
+            factor("backoff_factor", self.backoff_factor, below_one=True),
+        )
+        set_(self, "skip_nonfinite", flag("skip_nonfinite", self.skip_nonfinite))
+        for key, value in bounds(self.__dict__, lambda field: field).items():
+            set_(self, key, value)
+        # Its scales are powers of two (exact unscaling): so must be every
+        # number that makes or moves one.
+        for key in ("init_scale", "min_scale", "max_growth", "backoff_factor"):
+            value = getattr(self, key)
+            if not is_pow2(to_f32(value)):
+                raise ValueError(
+                    f"{key} must be a power of two (the measured rule keeps its "
+                    f"scale one, so that unscaling is exact), got {value!r}"
+                )
+
+    @property
+    def compute_max(self) -> float:
+        """The compute dtype's largest finite value (what the rule keeps below)."""
+        return float(jnp.finfo(self.dtype).max)
+
+    @property
+    def cap(self) -> float:
+        """The largest power of two the scale may reach (<= ``max_scale``)."""
+        mantissa, exponent = math.frexp(self.max_scale_f32)
+        return math.ldexp(1.0, exponent - 1) if mantissa != 0.5 else self.max_scale_f32
+
+    def in_range(self, scale: jax.Array) -> jax.Array:
+        """Whether ``scale`` is a power of two in ``[min_scale, max_scale]``."""
+        return super().in_range(scale) & _is_pow2_array(scale)
+
+    def check_scale(self, name: str, value: Any) -> float:
+        """A concrete power-of-two scale in range, or an error naming ``name``."""
+        value = super().check_scale(name, value)
+        if not is_pow2(to_f32(value)):
+            raise ValueError(
+                f"{name} must be a power of two for jls.measured_scale (its scales "
+                f"are powers of two, so that unscaling is exact), got {value!r}"
+            )
+        return value
+
+    def _clamped(self, scale: jax.Array) -> jax.Array:
+        """In range, and a power of two (a scale set by hand becomes one)."""
+        return _pow2_floor(super()._clamped(scale))
+
+    def _next(self, state, finite, dropped, magnitude, retries):
+        f32, i32 = jnp.float32, jnp.int32
+        scale = state.scale
+        backed = jnp.maximum(scale * f32(self.backoff_factor), f32(self.min_scale))
+        # A headroom from a checkpoint or a user's hand that is nan, inf or
+        # below 1 is read as 1; one that is not a power of two is rounded down.
+        headroom = state.headroom
+        headroom = jnp.where(
+            (headroom >= 1) & (headroom <= f32(_HEADROOM_MAX)),
+            _pow2_floor(headroom),
+            f32(1),
+        )
+        # The first overflow of a run of them (and of the step: retries of it
+        # do not add again) doubles the headroom; every `history` finite steps
+        # since halve it again, down to 1.
+        first = ~finite & (state.consecutive_nonfinite == 0) & (retries == 0)
+        count = optax.safe_increment(state.growth_count)
+        relax = finite & (count >= i32(self.history))
+        headroom = jnp.where(
+            first,
+            jnp.minimum(headroom / f32(self.backoff_factor), f32(_HEADROOM_MAX)),
+            jnp.where(relax, jnp.maximum(headroom / f32(self.max_growth), 1), headroom),
+        )
+        growth_count = jnp.where(finite & ~relax, count, i32(0))
+        if magnitude is None:
+            backoff_count = state.backoff_count
+            return (
+                jnp.where(finite, scale, backed),
+                growth_count,
+                backoff_count,
+                headroom,
+            )
+        m = jnp.asarray(magnitude)
+        if m.dtype != jnp.float32 or m.shape != ():
+            raise TypeError(
+                f"magnitude must be a float32 scalar, got dtype {m.dtype} and "
+                f"shape {m.shape}"
+            )
+        # The largest power of two that keeps the measured magnitude, at that
+        # scale, margin * headroom below compute_max (inf for all-zero
+        # gradients: the growth bound and the cap bound it).
+        cap = f32(self.cap)
+        limit = f32(self.compute_max / self.margin) / headroom
+        wanted = scale * (limit / m)
+        target = jnp.where(
+            jnp.isfinite(wanted) & (wanted > 0),
+            _pow2_floor(jnp.where(wanted > 0, wanted, 1)),
+            jnp.where(wanted > 0, cap, f32(0)),
+        )
+        grown = jnp.minimum(jnp.minimum(target, scale * f32(self.max_growth)), cap)
+        # A finite step that was not applied (a spike rule vetoed it) holds
+        # the scale: its gradients are an outlier, not the new range.
+        hold = finite & dropped
+        scale = jnp.where(finite, jnp.where(hold, scale, grown), backed)
+        return scale, growth_count, state.backoff_count, headroom
+
+
+_M = MeasuredScale  # the defaults, written once as the dataclass's
+
+
+def measured_scale(
+    margin: float = _M.margin,
+    *,
+    history: int = _M.history,
+    dtype: Any = jnp.float16,
+    init_scale: float = _M.init_scale,
+    max_growth: float = _M.max_growth,
+    backoff_factor: float = _M.backoff_factor,
+    min_scale: float = _M.min_scale,
+    max_scale: float = _M.max_scale,
+    skip_nonfinite: bool = _M.skip_nonfinite,
+) -> LossScaler:
+    """A scale chosen from the gradients' measured range: no interval to tune.
+
+    After a finite step the next scale is the largest power of two at which
+    the scaled gradients' largest root-mean-square (over the check's
+    reductions) stays ``margin * headroom`` below ``dtype``'s maximum, and
+    at most ``max_growth`` times the current scale; it follows the gradients
+    down at once, without a skipped step. A non-finite step is skipped (by
+    default) and backs off by ``backoff_factor``; the first overflow of a
+    run also doubles the state's ``headroom``, which ``history`` finite steps
+    halve again. The design and its evidence are in `jls._measured`.
+
+    With this scaler `jls.loss_scaling`'s check is the sum-of-squares check,
+    which never reports finite gradients non-finite, however large. Scales
+    and the headroom are always powers of two, so unscaling is exact:
+    ``init_scale``, ``min_scale``, ``max_growth`` and ``backoff_factor``
+    must be powers of two, the cap is the largest power of two at most
+    ``max_scale``, and a scale that is not one (set by hand, or from a
+    checkpoint) is treated as out of range: its step is dropped and the next
+    scale is a power of two.
+
+    Args:
+      margin: the headroom, ``>= 1``, between the scaled gradients' largest
+        root-mean-square and ``dtype``'s maximum. The default, 2**8, was
+        chosen from ``benchmarks/bench_scalers.py``'s evidence (see the
+        README's table): the only margin tried that skipped no step after
+        warm-up on the demo, the LM and the stress case (its sudden jump
+        aside) with underflow below the tuned dynamic rule's on all three.
+      history: finite steps after which the headroom an overflow added is
+        halved again.
+      dtype: the compute dtype whose maximum the scaled gradients are kept
+        below (float16; an fp8 type for fp8 gradients).
+      init_scale: the first step's scale, a power of two.
+      max_growth: the most the scale grows in one step, a power of two ``>= 1``.
+      backoff_factor: multiplies the scale on a non-finite step; a power of
+        two in (0, 1].
+      min_scale: the floor, a power of two.
+      max_scale: the cap. Default 2**126 (one-factor unscaling).
+      skip_nonfinite: drop a step whose gradients are not finite (default).
+
+    Returns:
+      A `LossScaler`.
+
+    Raises:
+      TypeError: if an argument has the wrong type (the message names it).
+      ValueError: if an argument is out of range or not a power of two where
+        one is needed (the message names it).
+
+    Example:
+      >>> import jax.numpy as jnp, jls
+      >>> scaler = jls.measured_scale(margin=2.0**10, init_scale=2.0**15)
+      >>> state = scaler.init()
+      >>> # The scaled gradients' largest RMS is 2**-3 at 2**15: the target
+      >>> # (2**24) is far above, but the scale grows at most 2x per step.
+      >>> state = scaler.adjust(state, True, magnitude=jnp.float32(2.0**-3))
+      >>> float(state.scale) == 2.0**16
+      True
+      >>> state = scaler.adjust(state, False)  # an overflow: back off
+      >>> float(state.scale) == 2.0**15, float(state.headroom)
+      (True, 2.0)
+    """
+    return MeasuredScale(
+        margin=margin,
+        history=history,
+        dtype=dtype,
+        init_scale=init_scale,
+        max_growth=max_growth,
+        backoff_factor=backoff_factor,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        skip_nonfinite=skip_nonfinite,
+    )

@@ -1,0 +1,39 @@
+"""The gradient-norm metric: free, from the check's own pass.
+
+``jls.loss_scaling(..., gradient_norm=True)`` adds this hook. It asks the
+step for the norm (which makes the check the sum-of-squares check of
+`jls._squares`: the same one read of the gradients, unlike computing
+``optax.tree.norm`` in the step) and records it, exact for every finite norm
+(inf past the float32 maximum; inf or nan after a non-finite step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jls._hooks import Hook, StepInfo
+from jls._tree import plain
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientNorm(Hook):
+    """Records the global norm of each step's unscaled gradients."""
+
+    name = "gradient_norm"
+    needs_norm = True
+
+    def init(self, params: Any) -> Any:
+        del params
+        return jnp.asarray(np.float32(0))
+
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+        del state, vetoed
+        return info.norm
+
+    @classmethod
+    def metrics(cls, state: Any) -> dict[str, Any]:
+        return {"gradient_norm": plain(state)}

@@ -1,0 +1,316 @@
+"""`LossScaler`: what every loss-scale rule is, and what they all share.
+
+A rule is an immutable, hashable configuration (a frozen dataclass, validated
+when made and again by ``dataclasses.replace``), closed over by the step and
+never stored in the state, so it cannot be lost through ``jit`` or a
+checkpoint. Its pure methods are the whole state machine: `LossScaler.init`
+and `LossScaler.adjust` (the public pair, jittable and vmappable), and
+`LossScaler.retry` for `jls.train_step`'s retries.
+
+Each rule lives in a module of its own (`jls._dynamic`, `jls._measured`) and
+writes only ``_next``: the next scale, growth and back-off counts and
+headroom. This base class does what they share: the input checks, the range
+(a scale outside ``[min_scale, max_scale]`` is never trusted), and the skip
+counters, which saturate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from jls._state import LossScaleState, check_state, make_state
+from jls._validate import positive_f32, scale_in, to_f32
+
+# The largest power of two whose float32 reciprocal is normal: up to this
+# scale one multiplication by ``1 / scale`` unscales exactly on every backend.
+SINGLE_FACTOR_MAX = 2.0**126
+
+
+def bool_scalar(name: str, value: ArrayLike) -> jax.Array:
+    """``value`` as a scalar bool array, or a ``TypeError`` naming ``name``."""
+    value = jnp.asarray(value)
+    if value.dtype != jnp.bool_ or value.shape != ():
+        raise TypeError(
+            f"{name} must be a scalar bool, got dtype {value.dtype} and shape "
+            f"{value.shape}"
+        )
+    return value
+
+
+def count_if(cond: jax.Array, count: jax.Array, otherwise: jax.Array) -> jax.Array:
+    """``count + 1`` (saturating at the int32 maximum) where ``cond``."""
+    return jnp.where(cond, optax.safe_increment(count), otherwise)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossScaler:
+    """A loss-scale rule: an immutable, hashable configuration.
+
+    Make one with `jls.dynamic_scale`, `jls.measured_scale`,
+    `jls.static_scale`, `jls.no_scale` or a `jls.presets` preset.
+
+    Attributes:
+      init_scale: the scale of the first step.
+      min_scale: the scale never backs off below this.
+      max_scale: the scale never grows above this.
+      skip_nonfinite: whether a step with non-finite gradients is dropped.
+
+    Example:
+      >>> import jls
+      >>> scaler = jls.dynamic_scale(2.0**10, growth_interval=2)
+      >>> isinstance(scaler, jls.LossScaler), scaler.growth_interval
+      (True, 2)
+      >>> state = scaler.init()
+      >>> for finite in (True, True, False):
+      ...     state = scaler.adjust(state, finite)
+      ...     print(float(state.scale))
+      1024.0
+      2048.0
+      1024.0
+    """
+
+    init_scale: float
+    min_scale: float
+    max_scale: float
+    skip_nonfinite: bool
+
+    #: Whether the rule follows the gradients' measured range (the check is
+    #: then the squares check, which measures it).
+    measures = False
+
+    @property
+    def min_scale_f32(self) -> float:
+        """``min_scale`` as the float32 value the state machine uses."""
+        return to_f32(self.min_scale)
+
+    @property
+    def max_scale_f32(self) -> float:
+        """``max_scale`` as the float32 value the state machine uses."""
+        return to_f32(self.max_scale)
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether the scale can ever change."""
+        return True
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether the scale is 1 forever (scaling and unscaling do nothing)."""
+        return not self.is_dynamic and self.init_scale == 1
+
+    @property
+    def two_factor(self) -> bool:
+        """Whether unscaling needs two factors (``max_scale`` above 2**126)."""
+        return self.max_scale_f32 > SINGLE_FACTOR_MAX
+
+    def in_range(self, scale: jax.Array) -> jax.Array:
+        """Whether ``scale`` lies in ``[min_scale, max_scale]`` (False for nan).
+
+        A state can arrive from a checkpoint, `jls.set_loss_scale` or a
+        user's hand with any scale. A step whose scale is out of range is
+        treated as a non-finite step whatever its gradients (always dropped,
+        even with ``skip_nonfinite=False``), and `adjust` brings the scale
+        back into range, so a scale that the check was not designed for is
+        never used to unscale an applied update.
+        """
+        f32 = jnp.float32
+        return (scale >= f32(self.min_scale_f32)) & (scale <= f32(self.max_scale_f32))
+
+    def check_scale(self, name: str, value: Any) -> float:
+        """A concrete scale this rule can use, or an error naming ``name``."""
+        return scale_in(name, value, self.min_scale_f32, self.max_scale_f32)
+
+    def restart(self, scale: jax.Array) -> LossScaleState:
+        """The state of a fresh start of this rule at ``scale``."""
+        return make_state(1.0)._replace(scale=scale)
+
+    def init(self) -> LossScaleState:
+        """Returns the state before the first step.
+
+        Returns:
+          A `LossScaleState` with ``scale == init_scale`` (as float32) and all
+          counters at their start.
+
+        Example:
+          >>> import jls
+          >>> jls.dynamic_scale(init_scale=1024).init().scale
+          Array(1024., dtype=float32)
+        """
+        return make_state(self.init_scale)
+
+    def adjust(
+        self,
+        state: LossScaleState,
+        grads_finite: ArrayLike,
+        *,
+        applied: ArrayLike | None = None,
+        magnitude: ArrayLike | None = None,
+        retries: ArrayLike | None = None,
+    ) -> LossScaleState:
+        """Advances the state machine by one step.
+
+        Pure and jittable; under ``vmap`` it adjusts each state independently.
+
+        Args:
+          state: the current `LossScaleState`.
+          grads_finite: a scalar bool, whether this step's gradients were all
+            finite.
+          applied: a scalar bool, whether the step's update was applied; it
+            drives the skip counters. Default: derived here (the step is
+            applied when the gradients are finite, or with
+            ``skip_nonfinite=False`` when the scale is in range).
+            `jls.loss_scaling` passes the decision it took, reduced across
+            replicas, so the counters say what happened.
+          magnitude: a float32 scalar, the measurement the measured rule
+            follows: the largest root-mean-square of the step's scaled
+            gradients over the check's reductions (`jls.loss_scaling` passes
+            it). Ignored by the dynamic rule; without it the measured rule
+            holds the scale on a finite step.
+          retries: how many times this step's gradients were recomputed
+            before this outcome (`retry`); recorded in the state. Default 0.
+
+        Returns:
+          The next `LossScaleState`.
+
+        Raises:
+          TypeError: at trace time, if ``state`` is not a valid
+            `LossScaleState` or ``grads_finite`` is not a scalar bool.
+
+        Example:
+          >>> import jls
+          >>> scaler = jls.dynamic_scale(init_scale=8, growth_interval=2)
+          >>> s = scaler.init()
+          >>> for finite in [True, True, False]:
+          ...     s = scaler.adjust(s, finite)
+          ...     print(float(s.scale), int(s.growth_count))
+          8.0 1
+          16.0 0
+          8.0 0
+        """
+        state = check_state(state)
+        valid = self.in_range(state.scale)
+        finite = bool_scalar("grads_finite", grads_finite) & valid
+        if applied is None:
+            # Dropped when the gradients are not finite (unless the rule
+            # applies such steps), and always when the scale was invalid.
+            dropped = ~finite if self.skip_nonfinite else ~valid
+        else:
+            dropped = ~bool_scalar("applied", applied)
+        i32 = jnp.int32
+        retried = i32(0) if retries is None else jnp.asarray(retries, i32)
+        scale, growth_count, backoff_count, headroom = self._next(
+            state, finite, dropped, magnitude, retried
+        )
+        return LossScaleState(
+            scale=self._clamped(scale),
+            growth_count=growth_count,
+            backoff_count=backoff_count,
+            consecutive_skips=count_if(dropped, state.consecutive_skips, i32(0)),
+            total_skips=count_if(dropped, state.total_skips, state.total_skips),
+            consecutive_nonfinite=count_if(
+                ~finite, state.consecutive_nonfinite, i32(0)
+            ),
+            # Derived from the input, so a donated buffer is reused, not dropped.
+            retries=state.retries * i32(0) + retried,
+            headroom=headroom,
+        )
+
+    def retry(self, state: LossScaleState, attempt: ArrayLike) -> LossScaleState:
+        """The state for retry number ``attempt`` (from 1) after an overflow.
+
+        The rule's next state for a non-finite step, less the skip counters:
+        a retry is an attempt, not a step. ``jls.train_step(...,
+        max_retries=n)`` computes the gradients again with it.
+        """
+        attempt = jnp.asarray(attempt, jnp.int32)
+        # The overflow it follows was that of attempt ``attempt - 1``.
+        nxt = self.adjust(state, jnp.asarray(False), retries=attempt - 1)
+        return nxt._replace(
+            consecutive_skips=state.consecutive_skips,
+            total_skips=state.total_skips,
+            consecutive_nonfinite=state.consecutive_nonfinite,
+            retries=nxt.retries + 1,
+        )
+
+    def hold(self, state: LossScaleState, grads_finite: ArrayLike) -> LossScaleState:
+        """The state after a step that was skipped without moving the rule.
+
+        A hook that ``holds_scale`` vetoed it (a non-finite loss says nothing
+        about the scale): the scale, growth and back-off counts and the
+        headroom stay; the step counts as skipped.
+        """
+        state = check_state(state)
+        finite = bool_scalar("grads_finite", grads_finite)
+        i32 = jnp.int32
+        return state._replace(
+            consecutive_skips=count_if(
+                jnp.asarray(True), state.consecutive_skips, i32(0)
+            ),
+            total_skips=optax.safe_increment(state.total_skips),
+            consecutive_nonfinite=count_if(
+                ~finite, state.consecutive_nonfinite, i32(0)
+            ),
+            retries=state.retries * i32(0),
+        )
+
+    def _next(
+        self,
+        state: LossScaleState,
+        finite: jax.Array,
+        dropped: jax.Array,
+        magnitude: ArrayLike | None,
+        retries: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The rule itself: ``(scale, growth_count, backoff_count, headroom)``."""
+        raise NotImplementedError
+
+    def _clamped(self, scale: jax.Array) -> jax.Array:
+        """``scale`` brought into ``[min_scale, max_scale]``; nan to min_scale.
+
+        Whatever the state held (a scale set by hand, nan), the next scale is
+        in range.
+        """
+        low, high = jnp.float32(self.min_scale_f32), jnp.float32(self.max_scale_f32)
+        return jnp.where(scale >= low, jnp.minimum(scale, high), low)
+
+
+def bounds(fields: Mapping[str, Any], name: Callable[[str], str]) -> dict[str, float]:
+    """``min_scale``, ``max_scale`` and ``init_scale``, checked against each other."""
+    low = positive_f32(name("min_scale"), fields["min_scale"])
+    high = positive_f32(name("max_scale"), fields["max_scale"])
+    if low > high:
+        raise ValueError(
+            f"{name('min_scale')} must be <= {name('max_scale')}, got {low!r} and "
+            f"{high!r}"
+        )
+    init = positive_f32(name("init_scale"), fields["init_scale"])
+    if not low <= init <= high:
+        raise ValueError(
+            f"{name('init_scale')} must be in [{name('min_scale')}, "
+            f"{name('max_scale')}] = [{low!r}, {high!r}], got {init!r}"
+        )
+    return {"min_scale": low, "max_scale": high, "init_scale": init}
+
+
+def checked_scaler(scaler: Any) -> LossScaler:
+    """``scaler`` if it is a `LossScaler`, else a ``TypeError`` saying which are."""
+    if not isinstance(scaler, LossScaler):
+        raise TypeError(
+            "scaler must be a jls scaler (jls.dynamic_scale(), "
+            "jls.measured_scale(), jls.static_scale(v), jls.no_scale() or a "
+            f"jls.presets one), got {scaler!r:.200}"
+        )
+    return scaler
+
+
+def is_pow2(value: float) -> bool:
+    """Whether a positive float is a power of two."""
+    return math.frexp(value)[0] == 0.5

@@ -1,0 +1,163 @@
+"""`set_loss_scale`: a new scale (or a whole new state) for a run, checked.
+
+Where MindSpore has ``set_sense_scale``, torch ``update(new_scale)`` and
+Paddle setters, jls has one pure function that returns a new optimizer
+state. A concrete scale is checked now against the run's rule; a traced one
+(inside ``jit``) cannot be, so one that would be refused leaves the scale as
+it was. Either way a scale outside the rule's range never reaches an applied
+step: the step treats it as non-finite (see `jls.LossScaler.in_range`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.core import Tracer
+
+from jls._rule import LossScaler
+from jls._state import LossScaleState, check_state
+from jls._tree import loss_scale_state, replace_loss_scale_state
+from jls._validate import F32_MAX, F32_TINY, flag, positive_f32, scale_in
+
+
+def set_loss_scale(
+    opt_state: Any,
+    scale: Any,
+    *,
+    scaler: LossScaler | None = None,
+    reset_counters: bool = False,
+) -> Any:
+    """Returns ``opt_state`` with a new loss scale, or a whole new state.
+
+    Pure. The counters are kept unless ``reset_counters``: then they restart
+    as after a fresh start of ``scaler`` (the growth count at its restart
+    value, so the next growth comes when that scaler's first growth would;
+    every other counter at 0). Given a whole `jls.LossScaleState` (to resume
+    a run from another framework's checkpoint, see
+    ``jls.presets.from_torch_state_dict``, or to restart a scaler with
+    ``scaler.init()``), it replaces the state's one.
+
+    Args:
+      opt_state: an optimizer state containing one `LossScaleState` (or the
+        `LossScaleState` itself).
+      scale: the new scale: a positive normal float32 number, numpy scalar or
+        concrete 0-d array (checked now), or a scalar array traced inside
+        ``jit``, which cannot be checked now: a traced value that would be
+        refused (nan, inf, zero, negative, subnormal, or outside the
+        ``scaler``'s range) leaves the scale unchanged. Or a whole
+        `LossScaleState`.
+      scaler: the run's `LossScaler`; when given, ``scale`` must lie in its
+        ``[min_scale, max_scale]`` (and be a power of two for
+        `jls.measured_scale`). Required with ``reset_counters``.
+      reset_counters: restart every counter, as described above.
+
+    Returns:
+      The new state, of the same structure.
+
+    Raises:
+      TypeError: if ``scale`` is not a real number, real scalar array or
+        `LossScaleState`, ``scaler`` is not a `LossScaler`, or
+        ``reset_counters`` is not a bool.
+      ValueError: if a concrete ``scale`` is not a positive normal float32
+        or lies outside the scaler's range, or ``reset_counters`` is given
+        without ``scaler``.
+
+    Example:
+      >>> import jls
+      >>> scaler = jls.dynamic_scale()
+      >>> state = jls.set_loss_scale(scaler.init(), 1024.0)
+      >>> state.scale
+      Array(1024., dtype=float32)
+      >>> state = jls.set_loss_scale(state, 8.0, scaler=scaler, reset_counters=True)
+      >>> float(state.scale), int(state.growth_count)
+      (8.0, 0)
+      >>> state = jls.set_loss_scale(state, jls.static_scale(4.0).init())
+      >>> float(state.scale)
+      4.0
+    """
+    if isinstance(opt_state, (int, float)):
+        raise TypeError(
+            "set_loss_scale(opt_state, scale): the arguments are swapped (the "
+            "state comes first)"
+        )
+    reset_counters = flag("reset_counters", reset_counters)
+    if scaler is not None and not isinstance(scaler, LossScaler):
+        raise TypeError(f"scaler must be a jls.LossScaler or None, got {scaler!r:.200}")
+    if isinstance(scale, LossScaleState):
+        new = check_state(scale, argname="scale")
+        if not isinstance(new.scale, Tracer):
+            positive_f32("scale.scale", new.scale)
+        return _replaced(opt_state, new)
+    if not isinstance(scale, (Tracer, int, float, np.generic, np.ndarray)) and not (
+        hasattr(scale, "dtype") and hasattr(scale, "shape")
+    ):
+        raise TypeError(
+            "scale must be a real number, a real scalar array or a "
+            f"jls.LossScaleState, got {type(scale).__name__}: {scale!r:.200}"
+        )
+    old = loss_scale_state(opt_state)
+    new_scale = _checked_scale(scale, old, scaler)
+    if reset_counters:
+        if scaler is None:
+            raise ValueError(
+                "reset_counters=True needs scaler=...: the growth count restarts "
+                "at that scaler's restart value"
+            )
+        new = scaler.restart(new_scale)
+    else:
+        new = old._replace(scale=new_scale)
+    return _replaced(opt_state, new)
+
+
+def _checked_scale(scale: Any, old: LossScaleState, scaler: LossScaler | None) -> Any:
+    """The new scale as a float32 array: checked if concrete, else guarded."""
+    if isinstance(scale, Tracer):
+        if scale.shape != () or not (
+            jnp.issubdtype(scale.dtype, jnp.floating)
+            or jnp.issubdtype(scale.dtype, jnp.integer)
+        ):
+            raise TypeError(
+                "scale must be a real scalar, got a traced value of dtype "
+                f"{scale.dtype} and shape {scale.shape}"
+            )
+        value = scale.astype(jnp.float32)
+        if scaler is None:
+            ok = (value >= np.float32(F32_TINY)) & (value <= np.float32(F32_MAX))
+        else:
+            ok = scaler.in_range(value)
+        return jnp.where(ok, value, old.scale)
+    if scaler is None:
+        return jnp.asarray(np.float32(scale_in("scale", scale, F32_TINY, F32_MAX)))
+    return jnp.asarray(np.float32(scaler.check_scale("scale", scale)))
+
+
+def _replaced(opt_state: Any, new: LossScaleState) -> Any:
+    if isinstance(opt_state, LossScaleState):
+        return new
+    return replace_loss_scale_state(opt_state, new)
+
+
+def deprecated_replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
+    """Deprecated: use ``jls.set_loss_scale(opt_state, new)``.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.sgd(0.1))
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> with warnings.catch_warnings(record=True):
+      ...     state = jls.set_loss_scale(state, jls.static_scale(8.0).init())
+      >>> jls.metrics(state)["loss_scale"]
+      Array(8., dtype=float32)
+    """
+    warnings.warn(
+        "jls.replace_loss_scale_state is deprecated and will be removed in jls "
+        "0.4; use jls.set_loss_scale(opt_state, new_state)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if not isinstance(new, LossScaleState):
+        check_state(new, argname="new")
+    return set_loss_scale(opt_state, new)

@@ -1,0 +1,216 @@
+"""Finding jls's states inside any optax state, and splitting a model.
+
+Lookups are ``optax.tree.get_all_with_path`` by type name (it reaches inside
+``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``masked`` and flax
+``nnx`` optimizer states): `find_one` is the one place that decides how
+many were found and what the error says. `plain` turns what jls reads out of
+an ``nnx.Optimizer``'s state into plain arrays.
+
+A model may be a whole equinox ``Module``: only arrays can enter a
+``lax.cond`` and only floating arrays can be differentiated, so the fused
+step and `jls.train_step` split the tree first (`split_inexact`,
+`split_frozen`) and put it back together after (`merge`), as
+``eqx.partition``/``eqx.combine`` do, without jls depending on equinox.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jls._state import LossScaleState, check_state, unwrap
+
+_CHAINED = (
+    "opt_state is the state of optax.chain(..., jls.loss_scaling(inner), ...): "
+    "the transformations chained before loss_scaling see the scaled gradients (a "
+    "clip by global norm clips loss-scale times too hard) and those after it "
+    "change the parameters on skipped steps. Put them inside: "
+    "jls.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), inner), scaler)"
+)
+
+
+def find_all(tree: Any, kind: type) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(path, value)`` of every ``kind`` (a NamedTuple type) in ``tree``."""
+    return optax.tree.get_all_with_path(tree, kind.__name__)
+
+
+def find_one(tree: Any, kind: type, what: str, hint: str) -> Any:
+    """The one ``kind`` (described as ``what``) inside ``tree``.
+
+    Raises:
+      ValueError: naming ``what`` and how many were found, then ``hint``; or
+        if it sits in ``optax.chain``'s state beside other transformations.
+    """
+    found = find_all(tree, kind)
+    if len(found) != 1:
+        raise ValueError(
+            f"opt_state must contain exactly one {what}, found "
+            f"{len(found) or 'none'}. {hint}"
+        )
+    path, value = found[0]
+    _check_not_chained(tree, path)
+    return value
+
+
+def _is_transform_state(node: Any) -> bool:
+    """An optax transformation's state: a NamedTuple, or a chain's tuple of them."""
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return True
+    return type(node) is tuple and bool(node) and all(map(_is_transform_state, node))
+
+
+def _check_not_chained(tree: Any, path: tuple[Any, ...]) -> None:
+    """Refuses a jls state reached through a chain's tuple beside others.
+
+    ``optax.chain``'s state is a plain tuple of its members' states (a user's
+    own ``(params, opt_state)`` tuple is not refused: params are no
+    transformation state).
+    """
+    node = tree
+    for key in path:
+        if type(node) is tuple and len(node) > 1:
+            others = [c for i, c in enumerate(node) if i != key.idx]
+            if any(map(_is_transform_state, others)):
+                raise ValueError(_CHAINED)
+        node = _child(node, key)
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    name = getattr(key, "name", None)
+    if name is not None:
+        return getattr(node, name)
+    return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0][key.key]
+
+
+def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState:
+    """Finds the one `LossScaleState` inside a (nested) optax state.
+
+    Works through ``optax.MultiSteps``, ``optax.inject_hyperparams``,
+    ``optax.masked`` and flax optimizer states, in either nesting order.
+    Leaves boxed in flax ``nnx`` variables are unwrapped. A state of
+    ``optax.chain`` with ``loss_scaling`` beside other transformations is
+    refused: they belong inside ``loss_scaling``.
+
+    Args:
+      opt_state: an optimizer state, or a `LossScaleState` itself.
+      batched: accept a state stacked by ``vmap`` or ``pmap`` (fields of one
+        common shape), as the host readers (`jls.metrics`,
+        `jls.raise_if_diverged`) do; by default every field is a scalar.
+
+    Returns:
+      The `LossScaleState`.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no `LossScaleState`, or more than one,
+        or is ``optax.chain``'s state with other transformations beside
+        ``loss_scaling``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(0.1)), 4)
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> jls.loss_scale_state(state).scale
+      Array(32768., dtype=float32)
+    """
+    state = find_one(
+        opt_state,
+        LossScaleState,
+        "jls.LossScaleState",
+        "Pass the state of a jls.loss_scaling(...) transformation (or the "
+        "LossScaleState itself); when you nest several loss_scaling wrappers, "
+        "pass the sub-state you mean.",
+    )
+    return check_state(state, argname="opt_state's LossScaleState", batched=batched)
+
+
+def replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
+    """``opt_state`` with its one `LossScaleState` replaced by ``new`` (pure)."""
+    loss_scale_state(opt_state)  # exactly one, or a clear error
+    return jax.tree.map(
+        lambda x: new if isinstance(x, LossScaleState) else x,
+        opt_state,
+        is_leaf=lambda x: isinstance(x, LossScaleState),
+    )
+
+
+def holds(tree: Any, kind: type) -> bool:
+    """Whether a ``kind`` is inside ``tree`` (or is ``tree``)."""
+    return bool(find_all(tree, kind))
+
+
+def _is_boxed(x: Any) -> bool:
+    """Whether ``x`` is a flax ``nnx.Variable``-like box around an array."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return False
+    return callable(getattr(x, "get_value", None)) or hasattr(x, "value")
+
+
+def plain(tree: Any) -> Any:
+    """``tree`` with flax ``nnx`` boxes and ``State`` mappings made plain.
+
+    An ``nnx.Optimizer``'s state holds every array in a variable; what jls
+    returns from it (metrics, paths) is plain arrays in plain dicts.
+    """
+    if isinstance(tree, Mapping):  # nnx.State is a Mapping, not a dict
+        return {key: plain(value) for key, value in tree.items()}
+    return jax.tree.map(unwrap, tree, is_leaf=_is_boxed)
+
+
+def split_inexact(tree: Any) -> tuple[Any, Any]:
+    """``(floating arrays, the rest)``, each with ``None`` for the other's leaves."""
+
+    def inexact(x: Any) -> bool:
+        is_array = isinstance(x, (jax.Array, np.ndarray, np.generic))
+        return is_array and jnp.issubdtype(x.dtype, jnp.inexact)
+
+    kept = jax.tree.map(lambda x: x if inexact(x) else None, tree)
+    rest = jax.tree.map(lambda x: None if inexact(x) else x, tree)
+    return kept, rest
+
+
+def split_frozen(params: Any, grads: Any) -> tuple[Any, Any]:
+    """``(params that have a gradient, params whose gradient is None)``.
+
+    A ``None`` gradient means "not trained" (equinox's ``filter_spec``
+    partitions, ``eqx.apply_updates``): such parameters pass by unchanged.
+
+    Raises:
+      TypeError: if ``grads`` does not have the structure of ``params``.
+    """
+
+    def is_none(x: Any) -> bool:
+        return x is None
+
+    try:
+        trained = jax.tree.map(
+            lambda g, p: None if g is None else p, grads, params, is_leaf=is_none
+        )
+        frozen = jax.tree.map(
+            lambda g, p: p if g is None else None, grads, params, is_leaf=is_none
+        )
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            "grads must have the structure of params (None for a parameter that "
+            f"is not trained): {jax.tree.structure(grads, is_leaf=is_none)} "
+            f"against {jax.tree.structure(params, is_leaf=is_none)} ({err})"
+        ) from None
+    return trained, frozen
+
+
+def merge(kept: Any, rest: Any) -> Any:
+    """Puts a tree split by `split_inexact` or `split_frozen` back together."""
+    return jax.tree.map(
+        lambda a, b: b if a is None else a,
+        kept,
+        rest,
+        is_leaf=lambda x: x is None,
+    )

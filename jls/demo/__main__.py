@@ -1,5 +1,0 @@
-"""``python -m jls.demo``."""
-
-from jls.demo import main
-
-main()

@@ -1,1 +1,0 @@
-"""jls test suite."""

@@ -1,0 +1,209 @@
+"""Distributed and resumable: replicas agree, processes agree, checkpoints resume.
+
+The multi-device cases run in subprocesses with 8 (or 2 per process) host
+devices, since XLA_FLAGS must be set before jax starts.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import serialization
+
+import jls
+from jls._hooks import WrapperState
+
+DIST = pathlib.Path(__file__).parent / "scripts"
+ROOT = pathlib.Path(__file__).parents[2]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = str(ROOT / "tests") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(args, devices, timeout=240):
+    out = subprocess.run(
+        [sys.executable, *map(str, args)],
+        env=_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    return json.loads(_run([DIST / "replicas.py"], 8).strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["pmap", "shard_map"])
+@pytest.mark.parametrize("allreduce", [False, True])
+def test_one_nan_replica_makes_every_replica_skip(replicas, mode, allreduce):
+    r = replicas[f"{mode}_allreduce{allreduce}"]
+    assert r["scales"] == [128.0] * 8  # one scale, backed off once
+    assert r["skipped"] == [1] * 8
+    assert r["params_unchanged"] and r["no_nan"]
+    if allreduce:
+        assert r["params_same_across"]
+
+
+def test_update_path_under_shard_map(replicas):
+    r = replicas["shard_map_update"]
+    assert r == {"scales": [128.0] * 8, "params_unchanged": True}
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_sharded_jit_decides_globally(replicas, layout):
+    r = replicas[f"jit_{layout}"]
+    assert r == {
+        "scale": 128.0,
+        "skipped": 1,
+        "params_unchanged": True,
+        "w_sharding": [] if layout == "replicated" else [None, "dp"],
+    }
+
+
+def test_the_check_never_gathers_gradients(replicas):
+    hlo = replicas["hlo"]
+    assert hlo["check_all_gather"] == 0 and hlo["fused_all_gather"] == 0
+    assert hlo["check_all_reduce"] >= 1  # scalars are reduced instead
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_agree(tmp_path):
+    port = _free_port()
+    outs = [tmp_path / f"p{i}.json" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(DIST / "multiprocess.py"), str(i), str(port), str(o)],
+            env=_env(2),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, o in enumerate(outs)
+    ]
+    try:
+        logs = [p.communicate(timeout=50)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), logs
+    seen = [json.loads(o.read_text()) for o in outs]
+    assert seen[0] == seen[1]  # same scale, decisions and parameters
+    steps = seen[0]
+    assert [s["skipped"] for s in steps] == [False, False, True, False]
+    assert [s["scale"] for s in steps] == [256.0, 256.0, 128.0, 128.0]
+    assert steps[2]["params"] == steps[1]["params"]  # skipped everywhere
+    assert steps[3]["params"] != steps[2]["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True])
+def test_orbax_checkpoint_resumes_bitwise(tmp_path, sharded):
+    devices = 8 if sharded else 1
+    flag = ["--sharded"] if sharded else []
+    for mode in ("full", "save", "resume"):
+        _run([DIST / "checkpoint.py", mode, tmp_path, *flag], devices)
+    full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
+    # params (2), Adam (5), the loss-scale state (8 fields)
+    assert full.files == resumed.files and len(full.files) == 15
+    for k in full.files:
+        assert full[k].dtype == resumed[k].dtype
+        np.testing.assert_array_equal(full[k], resumed[k])
+
+
+def test_flax_serialization_round_trip():
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    tx = jls.loss_scaling(optax.adam(1e-3), jls.dynamic_scale(2.0**10))
+    state = tx.init(params)
+    grads = {"w": jnp.ones((2, 3)), "b": jnp.array([1.0, jnp.nan, 0.0])}
+    _, state = jax.jit(tx.update)(grads, state, params)
+    data = serialization.to_bytes(state)
+    restored = serialization.from_bytes(tx.init(params), data)
+    chex.assert_trees_all_equal(restored, state, strict=True)
+    assert isinstance(restored, WrapperState)
+    assert float(jls.metrics(restored)["loss_scale"]) == 512.0
+
+
+def test_data_parallel_example_runs(tmp_path):
+    out = _run(
+        [ROOT / "examples" / "data_parallel.py", "--steps", "12", "--out", tmp_path],
+        8,
+    )
+    assert "8 devices" in out
+    assert "step   3  loss scale     2048  skipped True   total skips 1" in out
+    assert "saved and restored" in out and "bitwise equal" in out
+
+
+@pytest.fixture(scope="module")
+def agreement():
+    return json.loads(_run([DIST / "agreement.py"], 4).strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "case", ["vmaTrue_namedNone", "vmaTrue_namedx", "vmaFalse_namedx"]
+)
+def test_the_norm_of_a_sharded_gradient_is_the_global_norm(agreement, case):
+    # Sums of squares over a sharded axis are added, named or not, with or
+    # without jax recording the varying axes.
+    got = agreement["norm"]["got"][case]
+    np.testing.assert_allclose(got, [agreement["norm"]["true"]] * 4, rtol=1e-6)
+
+
+def test_without_vma_an_unnamed_axis_is_invisible(agreement):
+    # Documented: under check_vma=False jax records nothing, so every axis
+    # the gradients are sharded over must be named; unnamed, each shard
+    # reports its own norm.
+    got = agreement["norm"]["got"]["vmaFalse_namedNone"]
+    assert len(set(got)) == 4 and max(got) < agreement["norm"]["true"]
+
+
+@pytest.mark.parametrize("mode", ["pmap", "vmap"])
+def test_averaged_replicas_report_their_own_norm(agreement, mode):
+    np.testing.assert_allclose(
+        agreement["dp"][mode], [agreement["dp"]["true"]] * 4, rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_shards_over_an_unnamed_axis_agree_on_skip_and_diagnostics(agreement, norm):
+    r = agreement["unnamed"][f"norm{norm}"]
+    assert r["skipped"] == [True] * 4
+    assert r["scales"] == [8.0] * 4
+    # Only "w" had the nan (on one shard), and every shard says so.
+    assert r["flags"] == [[False, False, True]] * 4
+    assert r["unchanged"]
+
+
+def test_a_loss_watching_rule_feeds_every_replica_the_mean_loss(agreement):
+    r = agreement["loss_rule"]
+    assert r["stats_equal"]
+    # The mean over replicas of 1 + 0.1 i + 0.05 r, averaged over 6 steps.
+    want = np.mean([1.0 + 0.1 * i + 0.05 * np.mean(range(4)) for i in range(6)])
+    assert r["loss_mean"] == pytest.approx(want, rel=1e-6)
+    assert r["shard_map_mean"] == 2.5

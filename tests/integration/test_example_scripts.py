@@ -1,0 +1,49 @@
+"""examples/train_fp16.py runs and really trains in float16."""
+
+import pathlib
+import runpy
+import subprocess
+import sys
+
+EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_fp16.py"
+
+
+def test_example_trains_and_reports():
+    main = runpy.run_path(str(EXAMPLE))["main"]
+    summary = main(["--steps", "150", "--growth-interval", "50"])
+    # The scale starts at 2**24 and must back off: those steps are skipped.
+    assert summary["skipped_steps"] >= 1
+    assert summary["loss_scale"] < 2.0**24
+    assert summary["final_loss"] < 1.0 and summary["accuracy"] > 0.8
+
+
+def test_example_help():
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "--steps" in out.stdout
+
+
+def test_equinox_example_trains_in_float16():
+    path = EXAMPLE.parent / "equinox_fp16.py"
+    summary = runpy.run_path(str(path))["main"](["--steps", "120"])
+    # The scale starts at 2**24: float16 overflows and those steps are skipped.
+    assert summary["skipped_steps"] >= 1 and summary["loss_scale"] < 2.0**24
+    assert summary["final_loss"] < 0.01
+
+
+def test_char_lm_example_runs_every_mode():
+    main = runpy.run_path(str(EXAMPLE.parent / "char_lm.py"))["main"]
+    rows = main(["--steps", "8", "--no-plot"])
+    assert [r["mode"] for r in rows] == ["f32", "bf16", "f16", "f16-jls"]
+    for r in rows:  # every mode learns something in 8 steps (it starts at ln 256)
+        assert r["train_loss"] < 5.5 and r["held_out_loss"] < 5.5, r["mode"]
+    jls_row = rows[-1]
+    # No growth in 8 steps (the interval is 2000): each skip halved the
+    # scale once, from 2**15.
+    assert jls_row["skipped"] is not None
+    assert jls_row["final_scale"] == 2.0 ** (15 - jls_row["skipped"])
+    assert rows[0]["skipped"] is None  # plain optax cannot skip

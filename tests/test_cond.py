@@ -1,0 +1,167 @@
+"""The skip: a skipped step changes nothing, bitwise, in every dtype and leaf kind."""
+
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from steps import (
+    PATHS,
+    X,
+    _assert_no_nan,
+    _loss,
+    _params,
+    _poison,
+    _scaled_grads,
+)
+
+import jls
+
+BAD = [np.inf, -np.inf, np.nan]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad", BAD, ids=str)
+@pytest.mark.parametrize("leaf", [0, 1])
+@pytest.mark.parametrize("where", [0, 1, 2], ids=["first", "middle", "last"])
+def test_skip_leaves_everything_bitwise_unchanged(path, bad, leaf, where):
+    params = _params()
+    sched = optax.linear_schedule(1e-2, 1e-3, 100)
+    tx = jls.loss_scaling(optax.adamw(sched), jls.dynamic_scale(2.0**10))
+    state = tx.init(params)
+    step = PATHS[path](tx)
+    params, state, _ = step(params, state, _scaled_grads(params, state))
+    grads = _poison(_scaled_grads(params, state), bad, leaf, where)
+    new_params, new_state, updates = step(params, state, grads)
+    chex.assert_trees_all_equal(new_params, params, strict=True)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state, strict=True)
+    assert float(new_state.loss_scale.scale) == 2.0**9
+    m = jls.metrics(new_state)
+    assert bool(m["skipped"]) and int(m["total_skips"]) == 1
+    _assert_no_nan((new_params, new_state))
+    if updates is not None:
+        chex.assert_trees_all_equal(
+            updates, jax.tree.map(jnp.zeros_like, params), strict=True
+        )
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "pdtype, gdtype",
+    [
+        (jnp.float32, jnp.float32),
+        (jnp.float16, jnp.float16),
+        (jnp.bfloat16, jnp.bfloat16),
+        (jnp.bfloat16, jnp.float32),  # adam's state becomes float32
+        (jnp.float32, jnp.float16),
+    ],
+    ids=lambda d: jnp.dtype(d).name,
+)
+@pytest.mark.filterwarnings("ignore:every gradient is bfloat16")
+def test_dtypes(path, pdtype, gdtype):
+    params = _params(pdtype)
+    tx = jls.loss_scaling(optax.adam(1e-2), jls.dynamic_scale(2.0**8))
+    state = tx.init(params)
+    step = PATHS[path](tx)
+    grads = jax.tree.map(lambda g: g.astype(gdtype), _scaled_grads(params, state))
+    traces = 0
+    for i in range(4):
+        g = _poison(grads, np.nan) if i == 2 else grads
+        before = (params, state)
+        params, state, updates = step(params, state, g)
+        if i == 2:
+            chex.assert_trees_all_equal(params, before[0], strict=True)
+            # Values unchanged; adam's state keeps the dtypes it chose on step 1.
+            chex.assert_trees_all_equal(
+                jax.tree.map(lambda x: x.astype(jnp.float32), state.inner_state),
+                jax.tree.map(lambda x: x.astype(jnp.float32), before[1].inner_state),
+            )
+        if updates is not None:
+            plain = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params))[0]
+            chex.assert_trees_all_equal_dtypes(updates, plain)
+        traces = step._cache_size()
+    chex.assert_trees_all_equal_dtypes(params, _params(pdtype))
+    assert traces <= 2  # plain adam retraces once too when its state dtype changes
+    _assert_no_nan((params, state))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_integer_and_none_leaves(path):
+    params = {"w": jnp.ones(3), "step": jnp.int32(5), "frozen": None}
+    inner = optax.multi_transform(
+        {"train": optax.sgd(0.5), "int": optax.set_to_zero()},
+        {"w": "train", "step": "int", "frozen": "int"},
+    )
+    tx = jls.loss_scaling(inner, jls.static_scale(4.0))
+    state = tx.init(params)
+    grads = {"w": jnp.full((3,), 4.0), "step": jnp.int32(0), "frozen": None}
+    new_params, _, updates = PATHS[path](tx)(params, state, grads)
+    np.testing.assert_array_equal(new_params["w"], np.full(3, 0.5, np.float32))
+    assert int(new_params["step"]) == 5 and new_params["step"].dtype == jnp.int32
+    bad = dict(grads, w=grads["w"].at[0].set(np.nan))
+    skipped, skip_state, updates = PATHS[path](tx)(params, state, bad)
+    chex.assert_trees_all_equal(skipped, params, strict=True)
+    if updates is not None:
+        assert updates["step"].dtype == jnp.int32 and updates["frozen"] is None
+    assert bool(jls.metrics(skip_state)["skipped"])
+
+
+def test_float0_gradients_pass_through():
+    params = {"w": jnp.ones(3), "step": jnp.int32(5)}
+    state = jls.static_scale(4.0).init()
+    grads = jax.grad(lambda p: jls.scale_loss(jnp.sum(p["w"]), state), allow_int=True)(
+        params
+    )
+    assert grads["step"].dtype == jax.dtypes.float0
+    out = jax.jit(jls.unscale)(grads, state)
+    assert out["step"].dtype == jax.dtypes.float0
+    np.testing.assert_array_equal(out["w"], np.ones(3, np.float32))
+    assert bool(jax.jit(jls.all_finite)(grads))
+
+
+def test_donated_buffers():
+    params = _params()
+    tx = jls.loss_scaling(optax.adam(1e-2))
+    state = tx.init(params)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, state, x):
+        grads = jax.grad(lambda p: jls.scale_loss(_loss(p, x), state))(params)
+        return jls.apply_gradients(tx, grads, state, params)
+
+    for i in range(3):
+        old = jax.tree.leaves((params, state))
+        params, state = train_step(params, state, X + i)
+        # Every donated buffer was consumed (the step updated it in place).
+        assert all(x.is_deleted() for x in old)
+    _assert_no_nan((params, state))
+    assert int(state.inner_state[0].count) == 3
+
+
+def test_weakly_typed_state_keeps_its_types_over_a_skipped_step():
+    # jnp.full(..., 0.1) is weakly typed, and so are Adam's moments made
+    # from it. A skipped step must return the same types (optax.tree.cast_like
+    # would make them strong and the next step would retrace).
+    params = {"b": jnp.full((3,), 0.1)}
+    tx = jls.loss_scaling(optax.adam(1e-2))
+    state = tx.init(params)
+    traces = []
+
+    @jax.jit
+    def fused(params, state, grads):
+        traces.append(1)
+        return jls.apply_gradients(tx, grads, state, params)
+
+    for value in (jnp.nan, 1.0, jnp.inf, 2.0):  # the gradients are weak too
+        params, state = fused(params, state, {"b": jnp.full((3,), value)})
+    assert len(traces) == 1
+    # tx.update: the skipped step's state has the types of the initial state
+    # (optax.apply_updates itself makes weak parameters strong, as without jls).
+    state = tx.init({"b": jnp.full((3,), 0.1)})
+    _, after = jax.jit(tx.update)({"b": jnp.full((3,), jnp.nan)}, state)
+    assert jax.tree.map(jax.typeof, after) == jax.tree.map(jax.typeof, state)

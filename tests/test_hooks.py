@@ -1,0 +1,153 @@
+"""The seam: a user's hook vetoes, holds the scale, records, and reports."""
+
+# Hooks read optional fields of StepInfo that the step fills in.
+# pyright: reportOptionalOperand=false, reportOptionalMemberAccess=false
+# pyright: reportArgumentType=false
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jls
+
+
+class SkipHighLoss(jls.Hook):
+    """Skip a step whose (replicas' mean) loss is above a limit."""
+
+    name = "skip_high_loss"
+    needs_loss = True
+
+    def __init__(self, limit: float = 10.0):
+        self.limit = limit
+
+    def veto(self, state, info):
+        return info.loss > self.limit
+
+
+class CountApplied(jls.Hook):
+    """Counts applied steps; records the latest norm (a statistic)."""
+
+    name = "count_applied"
+    needs_norm = True
+
+    def init(self, params):
+        return {"applied": jnp.int32(0), "norm": jnp.float32(0)}
+
+    def update(self, state, info, vetoed):
+        return {
+            "applied": state["applied"] + info.applied.astype(jnp.int32),
+            "norm": info.norm,
+        }
+
+    @classmethod
+    def metrics(cls, state):
+        return {"applied_steps": state["applied"]}
+
+
+class HoldOnNanLoss(jls.Hook):
+    """Skip a step whose loss is not finite, holding the scale rule."""
+
+    name = "hold_on_nan_loss"
+    needs_loss = True
+    holds_scale = True
+
+    def veto(self, state, info):
+        return ~jnp.isfinite(info.loss)
+
+
+PARAMS = {"w": jnp.ones(4), "b": jnp.zeros(2)}
+
+
+def _grads(value=1.0):
+    return jax.tree.map(lambda p: jnp.full_like(p, value), PARAMS)
+
+
+def test_a_veto_skips_the_step_and_changes_nothing():
+    tx = jls.loss_scaling(
+        optax.adam(1e-2), jls.static_scale(4.0), hooks=[SkipHighLoss()]
+    )
+    state = tx.init(PARAMS)
+    step = jax.jit(lambda g, s, p, loss: jls.apply_gradients(tx, g, s, p, loss=loss))
+    params, state = step(_grads(4.0), state, PARAMS, jnp.float32(1.0))  # applied
+    before = (params, state.inner_state)
+    new_params, new_state = step(_grads(4.0), state, params, jnp.float32(50.0))
+    chex.assert_trees_all_equal((new_params, new_state.inner_state), before)
+    m = jls.metrics(new_state)
+    assert bool(m["skipped"]) and not bool(m["nonfinite"])
+    assert int(m["total_skips"]) == 1
+    # Vetoed steps are finite: the rule is not backed off.
+    assert float(m["loss_scale"]) == 4.0
+    chex.assert_max_traces(n=1)
+
+
+def test_a_statistic_hook_records_and_reports():
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.no_scale(), hooks=[CountApplied()])
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update)
+    for value in (1.0, jnp.nan, 2.0):
+        _, state = update(_grads(value), state, PARAMS)
+    assert int(jls.metrics(state)["applied_steps"]) == 2
+    want = float(np.sqrt(6 * 4.0))  # the last step's norm: six 2.0s
+    assert float(state.hooks["count_applied"]["norm"]) == pytest.approx(want)
+
+
+def test_a_veto_on_one_replica_skips_every_replica():
+    tx = jls.loss_scaling(
+        optax.sgd(0.1), jls.no_scale(), hooks=[SkipHighLoss(1.5)], axis_name="r"
+    )
+    # The hook watches the replicas' mean loss: (1 + 3) / 2 = 2 > 1.5.
+    losses = jnp.asarray([1.0, 3.0])
+    states = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(PARAMS))
+    params = jax.tree.map(lambda x: jnp.stack([x, x]), PARAMS)
+    grads = jax.tree.map(lambda x: jnp.stack([x, x]), _grads())
+
+    def step(g, s, p, loss):
+        return jls.apply_gradients(tx, g, s, p, loss=loss)
+
+    new_params, new = jax.vmap(step, axis_name="r")(grads, states, params, losses)
+    assert np.asarray(jls.metrics(new)["skipped"]).tolist() == [True, True]
+    chex.assert_trees_all_equal(new_params, params)
+
+
+def test_a_holding_veto_leaves_the_scale_rule_where_it_was():
+    scaler = jls.dynamic_scale(2.0**10, growth_interval=3)
+    tx = jls.loss_scaling(optax.sgd(0.1), scaler, hooks=[HoldOnNanLoss()])
+    state = tx.init(PARAMS)
+    update = jax.jit(tx.update)
+    _, state = update(_grads(2.0**10), state, PARAMS, loss=jnp.float32(1.0))
+    before = jls.loss_scale_state(state)
+    # A nan loss with nan gradients: skipped, but the scale does not back off
+    # and the growth count is kept (the loss says nothing about the scale).
+    _, state = update(_grads(jnp.nan), state, PARAMS, loss=jnp.float32(jnp.nan))
+    after = jls.loss_scale_state(state)
+    assert float(after.scale) == float(before.scale) == 2.0**10
+    assert int(after.growth_count) == int(before.growth_count) == 1
+    assert int(after.consecutive_skips) == 1 and int(after.total_skips) == 1
+    # Without the hook the same step backs off.
+    plain = jls.loss_scaling(optax.sgd(0.1), scaler)
+    _, other = plain.update(_grads(jnp.nan), plain.init(PARAMS), PARAMS)
+    assert float(jls.metrics(other)["loss_scale"]) == 2.0**9
+
+
+def test_hook_misuse_is_named():
+    with pytest.raises(TypeError, match="hooks must be a sequence of jls.Hook"):
+        jls.loss_scaling(optax.sgd(0.1), hooks=SkipHighLoss())
+    with pytest.raises(TypeError, match="hooks must be a sequence of jls.Hook"):
+        jls.loss_scaling(optax.sgd(0.1), hooks=[lambda s, i: True])
+    tx = jls.loss_scaling(optax.sgd(0.1), hooks=[SkipHighLoss()])
+    state = tx.init(PARAMS)
+    with pytest.raises(TypeError, match=r"\['skip_high_loss'\] watch the loss"):
+        tx.update(_grads(), state, PARAMS)
+
+    class BadVeto(jls.Hook):
+        name = "bad_veto"
+
+        def veto(self, state, info):
+            return jnp.float32(1.0)
+
+    bad = jls.loss_scaling(optax.sgd(0.1), hooks=[BadVeto()])
+    with pytest.raises(TypeError, match="hook 'bad_veto': veto must return a scalar"):
+        bad.update(_grads(), bad.init(PARAMS), PARAMS)
