@@ -21,6 +21,7 @@ from jls._hooks import Hook
 from jls._loss_scaling import apply_gradients, loss_scaling, metrics
 from jls._measured import measured_scale
 from jls._policy import Policy, get_policy
+from jls._precision import precision_report
 from jls._rule import LossScaler
 from jls._scaling import scale_loss, unscale
 from jls._set_scale import deprecated_replace_loss_scale_state, set_loss_scale
@@ -51,6 +52,7 @@ __all__ = [
     "metrics",
     "no_scale",
     "nonfinite_paths",
+    "precision_report",
     "presets",
     "raise_if_diverged",
     "scale_loss",

@@ -8,16 +8,26 @@ from typing import Any
 from jls._diagnostics import Diagnostics
 from jls._divergence import Divergence
 from jls._hooks import Hook
+from jls._nonfinite_loss import NonfiniteLoss
 from jls._norm import GradientNorm
 from jls._spikes import SpikeRule
 from jls._validate import flag
 
 
 def builtin_hooks(
-    diagnostics: Any, max_consecutive_skips: Any, gradient_norm: Any, skip_spikes: Any
+    diagnostics: Any,
+    max_consecutive_skips: Any,
+    gradient_norm: Any,
+    skip_spikes: Any,
+    skip_nonfinite: bool = True,
 ) -> list[Hook]:
-    """The hooks the keyword arguments of `loss_scaling` stand for."""
-    hooks: list[Hook] = []
+    """The hooks the keyword arguments of `loss_scaling` stand for.
+
+    `NonfiniteLoss` is on for every scaler that skips non-finite steps (one
+    configured to apply them, MindSpore's ``drop_overflow_update=False``,
+    applies a non-finite loss's step too).
+    """
+    hooks: list[Hook] = [NonfiniteLoss()] if skip_nonfinite else []
     if flag("diagnostics", diagnostics):
         hooks.append(Diagnostics())
     if max_consecutive_skips is not None:
@@ -39,12 +49,19 @@ def all_hooks(
     max_consecutive_skips: Any,
     gradient_norm: Any,
     skip_spikes: Any,
+    skip_nonfinite: bool = True,
 ) -> tuple[Hook, ...]:
     """The built-in hooks the arguments stand for, then ``hooks``; names unique."""
     if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
         raise TypeError(f"hooks must be a sequence of jls.Hook, got {hooks!r:.200}")
     out = (
-        *builtin_hooks(diagnostics, max_consecutive_skips, gradient_norm, skip_spikes),
+        *builtin_hooks(
+            diagnostics,
+            max_consecutive_skips,
+            gradient_norm,
+            skip_spikes,
+            skip_nonfinite,
+        ),
         *hooks,
     )
     names = [h.name for h in out]

@@ -136,11 +136,14 @@ class Decisions:
         if any replica's is).
         """
         watchers = [h.name for h in self.hooks if h.needs_loss]
-        if not watchers:
+        readers = watchers or [h.name for h in self.hooks if h.reads_loss]
+        if not readers:
             return None, extra_args
         rest = dict(extra_args)
         loss = rest.pop("loss", None)
         if loss is None:
+            if not watchers:
+                return None, rest
             raise TypeError(
                 f"the hooks {watchers} watch the loss: pass loss=<the unscaled "
                 "loss> to update / apply_gradients (jls.train_step passes it)"

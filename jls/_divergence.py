@@ -1,12 +1,14 @@
 """Divergence: a run whose loss scale keeps overflowing must stop loudly.
 
 jls never applies a non-finite update, so a run whose gradients stay
-non-finite makes no progress at all. ``loss_scaling(...,
-max_consecutive_skips=n)`` adds the `Divergence` hook: a sticky ``diverged``
-flag in the state (plain state, so it is exact under ``vmap``, ``scan`` and
-``pmap``), and `raise_if_diverged` turns it into a `DivergenceError` where a
-Python ``except`` can catch it: on the host, or inside ``jit`` through
-``jax.experimental.checkify``.
+non-finite makes no progress at all. Every ``loss_scaling(...)`` has the
+`Divergence` hook (``max_consecutive_skips``, 1000 by default; ``None``
+turns it off): a sticky ``diverged`` flag in the state (plain state, so it
+is exact under ``vmap``, ``scan`` and ``pmap``), and `raise_if_diverged`
+turns it into a `DivergenceError` where a Python ``except`` can catch it: on
+the host after the step (it reads one flag; call it where you log metrics),
+or inside ``jit`` through ``jax.experimental.checkify``. Keeping the flag
+costs a few scalar operations and no host sync.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from jax.experimental import checkify
 from jls._hooks import Hook, StepInfo, WrapperState
 from jls._tree import find_all, loss_scale_state, plain
 from jls._validate import integer
+
+# The default divergence limit: a run that skipped this many steps in a row
+# can only skip (DeepSpeed stops at its minimum scale, MindSpore after 1000).
+DIVERGENCE_LIMIT = 1000
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,6 +118,8 @@ class Hook:
       needs_norm: the step must measure the gradients' norm (the check is
         then the sum-of-squares check; no second pass).
       needs_loss: every step must be given ``loss=`` (the unscaled loss).
+      reads_loss: the hook reads the loss when the step has it (``loss=``,
+        or `jls.train_step`), and works without it.
       holds_scale: a step this hook skips leaves the scale rule where it was
         (a non-finite loss says nothing about the scale); otherwise the rule
         advances as for any finite step.
@@ -140,6 +142,7 @@ class Hook:
     name: str = "hook"
     needs_norm: bool = False
     needs_loss: bool = False
+    reads_loss: bool = False
     holds_scale: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

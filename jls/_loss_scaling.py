@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import optax
 
+from jls._divergence import DIVERGENCE_LIMIT
 from jls._hooks import Hook, WrapperState, hook_metrics
 from jls._inner import Transformation
 from jls._rule import LossScaler
@@ -83,7 +84,7 @@ def loss_scaling(
     *,
     axis_name: str | tuple[str, ...] | None = None,
     diagnostics: bool = False,
-    max_consecutive_skips: int | None = None,
+    max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
     gradient_norm: bool = False,
     skip_spikes: SpikeRule | None = None,
     hooks: Sequence[Hook] = (),
@@ -127,8 +128,9 @@ def loss_scaling(
         makes this many skipped steps in a row, and stays ``True``. It is
         plain state, exact under ``vmap``, ``scan`` and ``pmap``;
         `jls.raise_if_diverged` raises `jls.DivergenceError` from it (on the
-        host, or inside ``jit`` under ``checkify``). ``None`` (default): no
-        limit.
+        host after the step, where you log metrics: it reads one flag; or
+        inside ``jit`` under ``checkify``). Default 1000 (reading the flag
+        costs nothing until you call it); ``None``: no flag.
       gradient_norm: record the global norm of each step's unscaled
         gradients (``jls.metrics(...)["gradient_norm"]``), from the finite
         check's own pass: the check becomes a sum of squares, which also

@@ -6,14 +6,22 @@
 moves both halves of their setup (the policy and ``jmp.DynamicLossScale``,
 see `jls.presets.jmp`) to jls. Casting touches floating arrays only: integer
 and bool arrays, Python numbers, functions and any other leaf pass through
-as the same object, so an equinox ``Module`` or a flax variable tree is cast
+as the same object, so an equinox ``Module`` (an immutable pytree) is cast
 as it is.
+
+A flax ``nnx`` Module is refused: casting it builds a copy, and its forward
+pass would then update the copy's BatchNorm statistics, Dropout RNG counts
+and other variables while the caller's Module kept stale ones, with a loss
+that looks normal. nnx computes in float16 through its layers' own
+``dtype=jnp.float16, param_dtype=jnp.float32``; the error says so.
+`jls.precision_report` shows which dtype each matmul really runs in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -62,7 +70,29 @@ def _floating(name: str, dtype: Any) -> np.dtype:
     return dtype
 
 
+def _is_nnx_module(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Module)
+
+
+def _refuse_nnx_modules(tree: Any) -> None:
+    found = jax.tree.leaves(tree, is_leaf=_is_nnx_module)
+    modules = [x for x in found if _is_nnx_module(x)]
+    if modules:
+        raise TypeError(
+            f"a jls.Policy cannot cast a flax nnx Module ({type(modules[0]).__name__}):"
+            " it would run a cast copy, and the forward pass's state updates "
+            "(BatchNorm statistics, Dropout RNG counts, your own Variables) would "
+            "land on the copy, not on your model. Give the layers their compute "
+            "dtype instead: nnx.Linear(..., dtype=jnp.float16, "
+            "param_dtype=jnp.float32), and cast inputs with policy.cast_to_compute"
+            "(x); check the result with jls.precision_report(fn, model, x)"
+        )
+
+
 def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    _refuse_nnx_modules(tree)
+
     def cast(x: Any) -> Any:
         is_array = isinstance(x, (jax.Array, np.ndarray))
         if not (is_array and jnp.issubdtype(x.dtype, jnp.floating)):

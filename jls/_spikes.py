@@ -232,9 +232,10 @@ def _outlier(
 def is_spike(rule: SpikeRule, state: SpikeState, norm: Any, loss: Any) -> jax.Array:
     """Whether this step is a spike.
 
-    An outlier once ``warmup`` applied steps fed the statistics; a watched
-    loss that is not finite (inf or nan, with finite gradients) at any time.
-    A non-finite norm is the finite check's business, not a spike.
+    An outlier once ``warmup`` applied steps fed the statistics. A
+    non-finite norm is the finite check's business and a non-finite loss the
+    `jls._nonfinite_loss` hook's (it skips the step and holds the scale),
+    not spikes.
     ``state`` is `sanitized` first.
     """
     state = sanitized(state)
@@ -244,10 +245,7 @@ def is_spike(rule: SpikeRule, state: SpikeState, norm: Any, loss: Any) -> jax.Ar
         spike = spike | (outlier & jnp.isfinite(norm))
     if rule.watches_loss:
         spike = spike | _outlier(rule, loss, state.loss_mean, state.loss_var)
-    spike = (state.count >= jnp.int32(rule.warmup)) & spike
-    if rule.watches_loss:
-        spike = spike | ~jnp.isfinite(loss)
-    return spike
+    return (state.count >= jnp.int32(rule.warmup)) & spike
 
 
 def _moments(

@@ -60,14 +60,21 @@ class StepOutput(NamedTuple):
       loss_scale: the scale the step's (last) gradients were computed with.
       next_loss_scale: the scale for the next step.
       retries: how many times the gradients were recomputed (int32).
+      nonfinite_loss: whether the loss itself was not finite: the step was
+        skipped with the scale held, and not retried (no scale helps).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
       >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**10))
       >>> step = jls.train_step(lambda p, x: jnp.sum(p * x), tx)
       >>> _, _, out = step(jnp.ones(2), tx.init(jnp.ones(2)), jnp.array([1.0, jnp.inf]))
-      >>> bool(out.skipped), float(out.loss_scale), float(out.next_loss_scale)
-      (True, 1024.0, 512.0)
+      >>> # The loss itself is inf: skipped, the scale kept (no scale helps).
+      >>> bool(out.skipped), bool(out.nonfinite_loss), float(out.next_loss_scale)
+      (True, True, 1024.0)
+      >>> # A gradient that overflows at this scale (the loss is finite): backed off.
+      >>> _, _, out = step(jnp.ones(2), tx.init(jnp.ones(2)), jnp.array([1.0, 1e36]))
+      >>> bool(out.skipped), bool(out.nonfinite_loss), float(out.next_loss_scale)
+      (True, False, 512.0)
     """
 
     loss: jax.Array
@@ -77,6 +84,7 @@ class StepOutput(NamedTuple):
     loss_scale: jax.Array
     next_loss_scale: jax.Array
     retries: jax.Array
+    nonfinite_loss: jax.Array
 
 
 def _split(batch: tuple, k: int) -> tuple:
@@ -247,7 +255,9 @@ def train_step(
                 # dropped, not retried) that the rule would lower.
                 lower = scaler.retry(loss_scale, retries + 1).scale < loss_scale.scale
                 valid = scaler.in_range(loss_scale.scale)
-                return ~decision.finite & (retries < max_retries) & lower & valid
+                # A non-finite loss is not the scale's fault: no retry.
+                worth = lower & valid & jnp.isfinite(loss)
+                return ~decision.finite & (retries < max_retries) & worth
 
             carry = lax.while_loop(
                 worth_another,
@@ -256,12 +266,12 @@ def train_step(
             )
             loss_scale, grads, loss, aux, decision, retries = carry
         state = state._replace(loss_scale=loss_scale)
-        watched = any(h.needs_loss for h in scaling.hooks)
+        read = any(h.needs_loss or h.reads_loss for h in scaling.hooks)
         params, new_state = scaling._step(
             grads,
             state,
             params,
-            {"loss": loss} if watched else {},
+            {"loss": loss} if read else {},
             fused=True,
             decision=decision,
             retries=retries,
@@ -274,6 +284,7 @@ def train_step(
             loss_scale=loss_scale.scale,
             next_loss_scale=new_state.loss_scale.scale,
             retries=retries,
+            nonfinite_loss=~jnp.isfinite(loss),
         )
         return params, new_state, out
 

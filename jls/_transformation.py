@@ -31,9 +31,7 @@ multiplication inside the branch, 1.05x. ``tests/test_perf_guards.py``
 asserts the result (compiled temporary memory, HLO copies, one conditional,
 one reduction per large leaf).
 
-What is kept from earlier designs, on purpose: the configuration is frozen
-and closed over (never in the state); the state has fixed dtypes; arguments
-are validated when the object is made, naming the user's argument.
+``docs/design.md`` says what is kept from earlier designs, and why.
 """
 
 from __future__ import annotations
@@ -50,6 +48,7 @@ from jax import lax
 from jls import _cond
 from jls._builtins import all_hooks
 from jls._decision import Decision, Decisions
+from jls._divergence import DIVERGENCE_LIMIT
 from jls._dynamic import dynamic_scale
 from jls._hooks import Hook, StepInfo, WrapperState
 from jls._inner import Transformation, checked_inner
@@ -100,7 +99,7 @@ class LossScaling(Decisions):
         axis_name: str | tuple[str, ...] | None = None,
         hooks: Sequence[Hook] = (),
         diagnostics: bool = False,
-        max_consecutive_skips: int | None = None,
+        max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
         gradient_norm: bool = False,
         skip_spikes: SpikeRule | None = None,
     ) -> None:
@@ -108,7 +107,12 @@ class LossScaling(Decisions):
         self.scaler = dynamic_scale() if scaler is None else checked_scaler(scaler)
         self.axis_name = axis_names("axis_name", axis_name)
         self.hooks = all_hooks(
-            hooks, diagnostics, max_consecutive_skips, gradient_norm, skip_spikes
+            hooks,
+            diagnostics,
+            max_consecutive_skips,
+            gradient_norm,
+            skip_spikes,
+            self.scaler.skip_nonfinite,
         )
 
     def __repr__(self) -> str:

@@ -30,7 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state
+from jax import lax
 
 from jls._loss_scaling import apply_gradients, metrics
 from jls._transformation import LossScaling
@@ -84,22 +86,39 @@ class TrainState(train_state.TrainState):
             also_finite=grads[OVERWRITE_WITH_GRADIENT] if fp8 else None,
         )
         applied = ~metrics(opt_state)["skipped"]
+        # Every other field the step writes (BatchNorm's batch_stats, the fp8
+        # values) is kept as it was on a skipped step: a forward pass that
+        # overflowed wrote inf statistics and amax values.
+        new = dict(kwargs)
+        old = {name: getattr(self, name) for name in kwargs}
         if fp8:
-            old = self.params[OVERWRITE_WITH_GRADIENT]
-            new = grads[OVERWRITE_WITH_GRADIENT]
-            kept = _where(applied, new, old)
-            new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: kept}
+            new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
+            old[OVERWRITE_WITH_GRADIENT] = self.params[OVERWRITE_WITH_GRADIENT]
+        kept = _unless_skipped(applied, new, old)
+        if fp8:
+            new_params = {
+                "params": new_params,
+                OVERWRITE_WITH_GRADIENT: kept.pop(OVERWRITE_WITH_GRADIENT),
+            }
         return self.replace(
             step=self.step + applied.astype(jnp.asarray(self.step).dtype),
             params=new_params,
             opt_state=opt_state,
-            **kwargs,
+            **kept,
         )
 
 
-def _where(applied: Any, new: Any, old: Any) -> Any:
-    """``new`` where ``applied`` else ``old``, leaf by leaf (small fp8 state)."""
-    return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+def _unless_skipped(applied: Any, new: Any, old: Any) -> Any:
+    """``new`` if the step was applied, else ``old`` (one ``lax.cond``).
+
+    A tree the step replaces wholesale, so that a skipped step leaves it
+    bitwise as it was; its new values are never mixed in arithmetic.
+    """
+    if not jax.tree.leaves(new):
+        return new
+    new = jax.tree.map(jnp.asarray, new)
+    old = jax.tree.map(lambda o, n: jnp.asarray(o, n.dtype), old, new)
+    return lax.cond(applied, lambda n, o: n, lambda n, o: o, new, old)
 
 
 def _pure(tree: Any) -> Any:
@@ -129,13 +148,35 @@ class Optimizer(nnx.Optimizer):
       (1, 8.0)
     """
 
+    def __init__(
+        self, model: Any, tx: Any, *, wrt: Any, keep: Any = nnx.BatchStat, **kwargs: Any
+    ) -> None:
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        self.keep = keep
+        # The kept variables as they were after the latest step: a skipped
+        # step writes them back (its forward pass may have written inf).
+        kept = {} if keep is None else _pure(nnx.state(model, keep, **self._graph()))
+        self.kept = nnx.data(to_opt_state(kept))
+
+    def _graph(self) -> dict[str, Any]:
+        graph = getattr(self, "graph", None)
+        return {} if graph is None else {"graph": graph}
+
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
         """One fused, loss-scaled step (``grads`` are the scaled gradients).
 
         Unlike flax's, returns nothing: the fused path never builds the
-        updates tree.
+        updates tree. On a skipped step the ``keep`` variables (BatchNorm
+        statistics, by default) are written back as they were after the
+        previous step: a forward pass that overflowed wrote inf into them.
+
+        Args:
+          model: the model, whose ``wrt`` variables are stepped.
+          grads: the scaled gradients (``nnx.grad`` of the scaled loss).
+          **kwargs: forwarded to the transformation (``loss=`` for a hook
+            that watches the loss).
         """
-        graph = {} if getattr(self, "graph", None) is None else {"graph": self.graph}
+        graph = self._graph()
         params = _pure(nnx.state(model, self.wrt, **graph))
         grad_arrays = _pure(nnx.state(grads, self.wrt, **graph))
         new_params, opt_state = apply_gradients(
@@ -144,4 +185,9 @@ class Optimizer(nnx.Optimizer):
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(opt_state, **graph))
         applied = ~metrics(opt_state)["skipped"]
+        if self.keep is not None:
+            now = _pure(nnx.state(model, self.keep, **graph))
+            kept = _unless_skipped(applied, now, _pure(self.kept))
+            nnx.update(model, kept)
+            nnx.update(self.kept, to_opt_state(kept))
         self.step[...] += applied.astype(self.step[...].dtype)

@@ -16,9 +16,23 @@ def test_the_keywords_are_hooks_in_order():
         skip_spikes=rule,
     )
     names = [h.name for h in scaling.hooks]
-    assert names == ["diagnostics", "divergence", "gradient_norm", "spikes"]
+    assert names == [
+        "nonfinite_loss",
+        "diagnostics",
+        "divergence",
+        "gradient_norm",
+        "spikes",
+    ]
     assert scaling.hooks[-1] is rule
-    assert [h.name for h in jls.LossScaling(optax.sgd(0.1)).hooks] == []
+    # On by default: the non-finite loss's hold and the divergence flag; a
+    # scaler that applies non-finite steps applies a non-finite loss's too.
+    default = jls.LossScaling(optax.sgd(0.1))
+    assert [h.name for h in default.hooks] == ["nonfinite_loss", "divergence"]
+    assert getattr(default.hooks[1], "limit") == 1000
+    applying = jls.LossScaling(
+        optax.sgd(0.1), jls.no_scale(skip_nonfinite=False), max_consecutive_skips=None
+    )
+    assert applying.hooks == ()
 
 
 def test_hook_names_are_distinct():

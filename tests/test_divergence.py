@@ -84,10 +84,44 @@ def test_host_and_checkify_divergence_checks():
 
 def test_after_the_limit_nothing_non_finite_is_ever_applied():
     # Unlike optax.apply_if_finite, which applies updates after giving up.
+    # The gradient of sqrt at 0 is inf while the loss is finite: every step
+    # overflows (a non-finite loss would hold the scale instead).
     tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**8))
-    step = jax.jit(jls.train_step(loss_fn, tx))
+
+    def sqrt_loss(params, x):
+        return jnp.sum(jnp.sqrt(jnp.abs(params["a"] * 0.0))) + loss_fn(params, x)
+
+    step = jax.jit(jls.train_step(sqrt_loss, tx))
     params, state = W, tx.init(W)
     for _ in range(50):
-        params, state, _ = step(params, state, X.at[0, 0].set(jnp.inf))
+        params, state, out = step(params, state, X)
+        assert bool(out.nonfinite) and not bool(out.nonfinite_loss)
     chex.assert_trees_all_equal(params, W)
     assert float(jls.metrics(state)["loss_scale"]) == 1.0
+
+
+def test_a_default_transformation_flags_divergence_after_1000_skips():
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    assert not bool(jls.metrics(state)["diverged"])
+    bad = {"w": jnp.full(2, jnp.nan)}
+
+    def skip_many(state):
+        def body(state, _):
+            return tx.update(bad, state, params)[1], None
+
+        return jax.lax.scan(body, state, None, length=999)[0]
+
+    state = jax.jit(skip_many)(state)
+    jls.raise_if_diverged(state)  # 999 in a row: not yet
+    _, state = jax.jit(tx.update)(bad, state, params)
+    with pytest.raises(jls.DivergenceError, match="1000 consecutive skipped steps"):
+        jls.raise_if_diverged(state)
+    # The one-call step has it too, and None turns it off.
+    step = jls.train_step(lambda p, x: jnp.sum(p["w"] * x), tx)
+    _, state, _ = jax.jit(step)(params, state, jnp.full(2, jnp.nan))
+    with pytest.raises(jls.DivergenceError):
+        jls.raise_if_diverged(state)
+    off = jls.loss_scaling(optax.sgd(0.1), max_consecutive_skips=None)
+    assert "diverged" not in jls.metrics(off.init(params))

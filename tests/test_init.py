@@ -40,6 +40,7 @@ def test_public_names():
         "metrics",
         "no_scale",
         "nonfinite_paths",
+        "precision_report",
         "presets",
         "raise_if_diverged",
         "scale_loss",

@@ -191,3 +191,22 @@ def test_weakly_typed_arrays_become_strong_as_with_jmp(cast):
         return (getattr(jls.get_policy(policy), cast)(x) * f16).dtype == jnp.float32
 
     assert traced(weak)
+
+
+def test_an_nnx_module_is_refused_with_the_nnx_way():
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    policy = jls.get_policy("params=float32,compute=float16,output=float32")
+    for call in (
+        lambda: policy.cast_to_compute(model),
+        lambda: policy.wrap(lambda m, x: m(x))(model, jnp.ones((1, 2))),
+        lambda: policy.cast_to_param({"model": model}),
+    ):
+        with pytest.raises(
+            TypeError, match=r"nnx Module \(Linear\).*dtype=jnp.float16"
+        ):
+            call()
+    # A state (a pure pytree of arrays) is cast as it is.
+    cast = policy.cast_to_compute(nnx.state(model, nnx.Param))
+    assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.float16)}

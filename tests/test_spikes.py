@@ -168,15 +168,19 @@ def test_under_shard_map_and_pmap_replicas_agree():
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_nonfinite_loss_is_a_spike_and_feeds_nothing(bad):
+def test_a_nonfinite_loss_is_skipped_not_a_spike_and_feeds_nothing(bad):
+    # A non-finite loss is the nonfinite_loss hook's business: skipped with
+    # the scale held, never counted as a spike, never fed to the statistics.
     tx = _loss_rule_tx()
     params = {"w": jnp.ones(2)}
     state = tx.init(params)
     update = jax.jit(tx.update)
     for i, loss in enumerate([1.0, bad, 1.01, 0.99, 1.0, 1e3]):
         _, new = update({"w": jnp.ones(2)}, state, params, loss=jnp.float32(loss))
-        spike = bool(jls.metrics(new)["spike"])
-        assert spike == (i in (1, 5)), i
+        m = jls.metrics(new)
+        assert bool(m["spike"]) == (i == 5), i
+        assert bool(m["skipped"]) == (i in (1, 5)), i
+        assert bool(m["nonfinite_loss"]) == (i == 1), i
         assert np.isfinite(float(new.hooks["spikes"].loss_mean))
         assert np.isfinite(float(new.hooks["spikes"].loss_var))
         state = new

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from step_model import W, X, loss_fn
+from step_model import W, X, loss_fn, overflowing_loss
 
 import jls
 
@@ -56,15 +56,15 @@ def test_train_step_equals_the_fused_path_bitwise():
 
 def test_train_step_skips_nan_and_reports_it_under_donation():
     tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**8))
-    step = jax.jit(jls.train_step(loss_fn, tx), donate_argnums=(0, 1))
+    step = jax.jit(jls.train_step(overflowing_loss, tx), donate_argnums=(0, 1))
     params, state = jax.tree.map(jnp.copy, W), tx.init(W)
-    bad = X.at[1, 1].set(jnp.nan)
+    clean, bad = jnp.zeros(4, bool), jnp.zeros(4, bool).at[1].set(True)
     before = jax.tree.map(np.asarray, params)
-    params, state, out = step(params, state, bad)
+    params, state, out = step(params, state, X, bad)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), before)
-    assert bool(out.skipped)
+    assert bool(out.skipped) and not bool(out.nonfinite_loss)
     assert float(out.loss_scale) == 256.0 and float(out.next_loss_scale) == 128.0
-    params, state, out = step(params, state, X)
+    params, state, out = step(params, state, X, clean)
     assert not bool(out.skipped)
 
 
@@ -124,15 +124,19 @@ def test_accumulation_equals_the_full_batch_mean():
 
 def test_accumulation_checks_once_and_is_never_poisoned():
     tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**10))
-    step = jax.jit(
-        jls.train_step(loss_with_aux, tx, has_aux=True, accumulation_steps=4)
-    )
-    bad = X.at[2, 0].set(jnp.inf)  # one micro-batch of four
-    params, state, out = step(W, tx.init(W), bad)
+
+    def loss_and_aux(params, x, bad):
+        loss = overflowing_loss(params, x, bad)
+        return loss, {"twice": 2 * loss}
+
+    step = jax.jit(jls.train_step(loss_and_aux, tx, has_aux=True, accumulation_steps=4))
+    clean = jnp.zeros(4, bool)
+    bad = clean.at[2].set(True)  # one micro-batch of four overflows
+    params, state, out = step(W, tx.init(W), X, bad)
     chex.assert_trees_all_equal(params, W)
     assert bool(out.skipped) and int(jls.metrics(state)["total_skips"]) == 1
     assert out.aux["twice"].shape == (4,)  # aux per micro-batch
-    params, state, out = step(params, state, X)  # the next window is clean
+    params, state, out = step(params, state, X, clean)  # the next window is clean
     assert not bool(out.skipped)
     assert float(out.loss_scale) == 2.0**9  # one scale for the whole window
     with pytest.raises(ValueError, match="must divide every batch array"):

@@ -384,7 +384,8 @@ def test_5_pmap_and_checkify():
 
 
 def test_5_raise_if_diverged_needs_a_limit():
-    state = jls.loss_scaling(optax.sgd(0.1)).init(jnp.zeros(2))
+    tx = jls.loss_scaling(optax.sgd(0.1), max_consecutive_skips=None)
+    state = tx.init(jnp.zeros(2))
     with pytest.raises(ValueError, match="max_consecutive_skips"):
         jls.raise_if_diverged(state)
     jls.raise_if_diverged(state, 3)

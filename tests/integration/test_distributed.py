@@ -130,8 +130,9 @@ def test_orbax_checkpoint_resumes_bitwise(tmp_path, sharded):
     for mode in ("full", "save", "resume"):
         _run([DIST / "checkpoint.py", mode, tmp_path, *flag], devices)
     full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
-    # params (2), Adam (5), the loss-scale state (8 fields)
-    assert full.files == resumed.files and len(full.files) == 15
+    # params (2), Adam (5), the loss-scale state (8 fields), the default
+    # hooks' states (the non-finite loss's and the divergence flag)
+    assert full.files == resumed.files and len(full.files) == 17
     for k in full.files:
         assert full[k].dtype == resumed[k].dtype
         np.testing.assert_array_equal(full[k], resumed[k])

@@ -85,7 +85,7 @@ def test_readme_set_up_commands_and_demo_table():
     setup = text[text.index("## Set up") : text.index("## Quickstart")]
     commands = re.findall(r"```bash\n(.*?)```", setup, flags=re.S)
     assert len(commands) == 2
-    assert commands[0].strip().endswith("python -m pytest")
+    assert commands[0].strip().endswith("pytest")
     assert commands[1].strip().endswith("python examples/demo.py")
     # The quoted demo output has the table's exact header and one row per mode.
     header = demo.format_table([]).splitlines()[0]

@@ -202,3 +202,97 @@ def test_metrics_of_an_nnx_optimizer_are_plain_arrays():
     assert bool(m["skipped"]) and not bool(m["spike"]) and not bool(m["diverged"])
     assert f"{m['gradient_norm']:.3f}" == "inf"
     assert jls.nonfinite_paths(optimizer.opt_state) == ["['bias']", "['kernel']"]
+
+
+# A skipped step changes nothing: BatchNorm statistics an overflowing forward
+# pass wrote are not kept ------------------------------------------------------
+
+
+class BNNet(nn.Module):
+    """Dense, BatchNorm (running statistics in batch_stats), Dense."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(2)(nn.relu(x))
+
+
+class BNTrainState(jls.flax.TrainState):
+    """A TrainState with BatchNorm's running statistics, as flax's examples."""
+
+    batch_stats: dict
+
+
+def test_train_state_keeps_its_fields_on_a_skipped_step():
+    model = BNNet()
+    variables = model.init(jax.random.key(0), X, train=False)
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(8.0))
+    state = BNTrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        batch_stats=variables["batch_stats"],
+        tx=tx,
+    )
+
+    @jax.jit
+    def step(state, x):
+        def scaled(params):
+            out, updates = model.apply(
+                {"params": params, "batch_stats": state.batch_stats},
+                x,
+                train=True,
+                mutable=["batch_stats"],
+            )
+            loss = jnp.mean((out - Y) ** 2)
+            return jls.scale_loss(loss, state.opt_state), updates
+
+        grads, updates = jax.grad(scaled, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+
+    state = step(state, X)
+    before = state.batch_stats
+    # An input of 1e6 (float32 here; the float16 forward pass's inf): the
+    # statistics the forward pass wrote are not finite, the step is skipped,
+    # and the statistics stay bitwise as they were.
+    bad = step(state, X.at[0, 0].set(jnp.inf))
+    assert bool(jls.metrics(bad.opt_state)["skipped"])
+    chex.assert_trees_all_equal(bad.batch_stats, before)
+    chex.assert_trees_all_equal(bad.params, state.params)
+    # An applied step writes them.
+    good = step(state, X * 2.0)
+    assert not bool(jls.metrics(good.opt_state)["skipped"])
+    assert not np.array_equal(
+        good.batch_stats["BatchNorm_0"]["mean"], before["BatchNorm_0"]["mean"]
+    )
+
+
+def test_nnx_optimizer_keeps_batch_stats_on_a_skipped_step():
+    class Net(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(3, 8, rngs=nnx.Rngs(0))
+            self.bn = nnx.BatchNorm(8, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.bn(self.a(x))))
+
+    model = Net()
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(8.0))
+    optimizer = jls.flax.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        def scaled(m):
+            return jls.scale_loss(jnp.mean((m(x) - Y) ** 2), optimizer.opt_state)
+
+        optimizer.update(model, nnx.grad(scaled)(model))
+
+    step(model, optimizer, X)
+    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.BatchStat))
+    step(model, optimizer, X.at[0, 0].set(jnp.inf))
+    assert bool(jls.metrics(optimizer.opt_state)["skipped"])
+    chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), before)
+    step(model, optimizer, X * 2.0)
+    after = nnx.state(model, nnx.BatchStat)
+    assert not np.array_equal(after["bn"]["mean"][...], before["bn"]["mean"][...])

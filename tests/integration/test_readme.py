@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jls
+
 ROOT = pathlib.Path(__file__).parents[2]
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
@@ -35,28 +37,6 @@ def _users_objects() -> dict:
         "batch": (x, jnp.sin(x[:, 0])),
         "compute_loss": compute_loss,
     }
-
-
-def _subjaxprs(value: Any):
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _subjaxprs(item)
-
-
-def _dot_dtypes(jaxpr) -> list[str]:
-    """The dtype of every dot_general, through nested jaxprs."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(eqn.invars[0].aval.dtype.name)
-        for value in eqn.params.values():
-            for sub in _subjaxprs(value):
-                out.extend(_dot_dtypes(sub))
-    return out
 
 
 def _run(index: int, **extra: Any) -> tuple[dict, str]:
@@ -120,21 +100,17 @@ def test_the_quickstart_prints_what_it_says():
     policy, params = ns["policy"], ns["params"]
     assert policy.compute_dtype == jnp.float16
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
-    jaxpr = jax.make_jaxpr(ns["compute_loss"])(params, ns["batch"])
-    assert set(_dot_dtypes(jaxpr.jaxpr)) == {"float16"}
+    jls.precision_report(ns["compute_loss"], params, ns["batch"]).check(jnp.float16)
 
 
 def test_the_equinox_recipe_computes_in_float16():
-    import equinox as eqx
-
     ns, _ = _run(_block("import equinox"))
     # The README's own step, traced: every matmul of the forward and
     # backward pass in float16.
-    jaxpr = eqx.filter_make_jaxpr(ns["step"])(
-        ns["model"], ns["opt_state"], ns["x"], ns["y"]
-    )[0]
-    dtypes = _dot_dtypes(jaxpr.jaxpr)
-    assert dtypes and set(dtypes) == {"float16"}, dtypes
+    report = jls.precision_report(
+        ns["step"], ns["model"], ns["opt_state"], ns["x"], ns["y"]
+    )
+    report.check(jnp.float16)
 
 
 def test_the_spike_block_has_the_metrics_it_names():

@@ -1,0 +1,51 @@
+"""A non-finite loss skips its step without throwing the scale away.
+
+When the unscaled loss itself is nan or inf (a float16 sigmoid rounding to
+exactly 1, then ``0 * log(0)``), no loss scale can help: backing off for it
+would halve the scale once per such step, down to ``min_scale``, and regrowing
+takes thousands of clean steps. This hook, on by default, vetoes such a step
+and holds the rule: the step is skipped (nothing changes, it counts in
+``total_skips``), and the scale, growth count and headroom stay as they were;
+`jls.train_step` makes no retry for it. It acts whenever the step has the
+loss: `jls.train_step` always passes it, ``tx.update`` and
+`jls.apply_gradients` when given ``loss=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jls._hooks import Hook, StepInfo
+from jls._tree import plain
+
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteLoss(Hook):
+    """Skips a step whose loss is not finite, holding the scale rule."""
+
+    name = "nonfinite_loss"
+    reads_loss = True
+    holds_scale = True
+
+    def init(self, params: Any) -> Any:
+        del params
+        return jnp.asarray(np.bool_(False))
+
+    def veto(self, state: Any, info: StepInfo) -> jax.Array | None:
+        del state
+        return None if info.loss is None else ~jnp.isfinite(info.loss)
+
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+        del vetoed
+        if info.loss is None:
+            return state & False
+        return ~jnp.isfinite(info.loss)
+
+    @classmethod
+    def metrics(cls, state: Any) -> dict[str, Any]:
+        return {"nonfinite_loss": plain(state)}
