@@ -28,7 +28,7 @@ def test_the_keywords_are_hooks_in_order():
     # scaler that applies non-finite steps applies a non-finite loss's too.
     default = jls.LossScaling(optax.sgd(0.1))
     assert [h.name for h in default.hooks] == ["nonfinite_loss", "divergence"]
-    assert getattr(default.hooks[1], "limit") == 1000
+    assert default.hooks[1].limit == 1000
     applying = jls.LossScaling(
         optax.sgd(0.1), jls.no_scale(skip_nonfinite=False), max_consecutive_skips=None
     )
