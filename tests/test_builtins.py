@@ -4,6 +4,7 @@ import optax
 import pytest
 
 import jls
+from jls._divergence import Divergence
 
 
 def test_the_keywords_are_hooks_in_order():
@@ -28,7 +29,8 @@ def test_the_keywords_are_hooks_in_order():
     # scaler that applies non-finite steps applies a non-finite loss's too.
     default = jls.LossScaling(optax.sgd(0.1))
     assert [h.name for h in default.hooks] == ["nonfinite_loss", "divergence"]
-    assert default.hooks[1].limit == 1000
+    divergence = default.hooks[1]
+    assert isinstance(divergence, Divergence) and divergence.limit == 1000
     applying = jls.LossScaling(
         optax.sgd(0.1), jls.no_scale(skip_nonfinite=False), max_consecutive_skips=None
     )
