@@ -10,6 +10,7 @@ from jls._divergence import Divergence
 from jls._hooks import Hook
 from jls._nonfinite_loss import NonfiniteLoss
 from jls._norm import GradientNorm
+from jls._replicas import ReplicaCheck
 from jls._spikes import SpikeRule
 from jls._validate import flag
 
@@ -20,8 +21,11 @@ def builtin_hooks(
     gradient_norm: Any,
     skip_spikes: Any,
     skip_nonfinite: bool = True,
+    check_replicas: tuple[Any, tuple[str, ...]] = (False, ()),
 ) -> list[Hook]:
     """The hooks the keyword arguments of `loss_scaling` stand for.
+
+    ``check_replicas``: the argument and the transformation's ``axis_name``.
 
     `NonfiniteLoss` is on for every scaler that skips non-finite steps (one
     configured to apply them, MindSpore's ``drop_overflow_update=False``,
@@ -40,6 +44,16 @@ def builtin_hooks(
                 f"skip_spikes must be a jls.SpikeRule or None, got {skip_spikes!r:.200}"
             )
         hooks.append(skip_spikes)
+    check, axis_name = check_replicas
+    if flag("check_replicas", check):
+        if not axis_name:
+            raise ValueError(
+                "check_replicas=True compares the replicas of axis_name: give the "
+                "pmap/shard_map axis the batch is split over, e.g. "
+                "axis_name='batch' (under jit over sharded arrays the gradients "
+                "are global and there is nothing to compare)"
+            )
+        hooks.append(ReplicaCheck())
     return hooks
 
 
@@ -50,6 +64,7 @@ def all_hooks(
     gradient_norm: Any,
     skip_spikes: Any,
     skip_nonfinite: bool = True,
+    check_replicas: tuple[Any, tuple[str, ...]] = (False, ()),
 ) -> tuple[Hook, ...]:
     """The built-in hooks the arguments stand for, then ``hooks``; names unique."""
     if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
@@ -61,6 +76,7 @@ def all_hooks(
             gradient_norm,
             skip_spikes,
             skip_nonfinite,
+            check_replicas,
         ),
         *hooks,
     )

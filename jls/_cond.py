@@ -1,14 +1,35 @@
-"""The skip: one ``lax.cond`` around the update, and what its branches return.
+"""The skip: how a step leaves the state as it was, in two forms.
 
-Nothing is selected with masks (``0 * nan`` is ``nan``), so a nan can never
-reach a state, and a skipped step computes nothing. The applying branch comes
-first (putting the skip branch first made XLA copy every parameter and
-moment), and it is traced once, by ``lax.cond`` itself: it records its
-output types while it is traced, and the skip branch builds the same from
-them (tracing the update ahead of the conditional, with ``jax.eval_shape``
-or ``jax.make_jaxpr``, cost about what tracing the inner optimizer costs; the
-skip branch falls back to ``jax.eval_shape`` should a jax ever trace it
-first).
+`selected` (the default): the update is computed and each leaf of the new
+state is ``lax.select(applied, new, old)``, which XLA fuses into the
+update's own loops. `guarded` (``loss_scaling(..., donated=True)``): one
+``lax.cond`` whose skip branch returns its operands. Both are exact (a
+select picks bits, it does not mask with ``0 * x``, which is nan for an inf
+``x``), so a skipped step leaves every leaf bitwise as it was, and neither
+lets a nan reach a state.
+
+Why two (``benchmarks/bench_skip.py``; the numbers are in
+``docs/performance.md``): a conditional's output is one buffer for both
+branches, and XLA lets it share the operand's buffer only when a branch
+returns the operand itself. So the conditional is free when the caller
+donates the state (``donate_argnums``: the skip branch passes the donated
+buffers through, the applying branch updates them in place), and without
+donation it makes XLA copy every parameter and moment before the
+conditional, every step, because read-only arguments cannot become outputs;
+its operands (the gradients) also cannot share the outputs' buffers, which
+keeps a gradient-sized temporary alive. The select has neither cost without
+donation, and with donation XLA:CPU copies the moments, which the select's
+fusions read after the update overwrote them. Neither form is best in both
+modes, and a traced function cannot see whether its caller donates, so the
+caller says so.
+
+In `guarded`, the applying branch comes first (putting the skip branch
+first made XLA copy every parameter and moment), and it is traced once, by
+``lax.cond`` itself: it records its output types while it is traced, and the
+skip branch builds the same from them (tracing the update ahead of the
+conditional, with ``jax.eval_shape`` or ``jax.make_jaxpr``, cost about what
+tracing the inner optimizer costs; the skip branch falls back to
+``jax.eval_shape`` should a jax ever trace it first).
 """
 
 from __future__ import annotations
@@ -19,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lax.lax import _convert_element_type
 
 
 def zero(dtype: Any) -> Any:
@@ -78,7 +100,8 @@ def guarded(
     is evaluated inside each branch with ``taken`` a Python constant (the
     scale rule: there the decision is a constant, so it folds to a few
     scalar ops instead of reading the step's flags, which XLA would
-    recompute in each fusion that reads them).
+    recompute in each fusion that reads them). For callers that donate the
+    state; see the module notes.
     """
     shapes: list[Any] = []  # step's output types, once it is traced
 
@@ -92,3 +115,54 @@ def guarded(
         return skip(ops, out), after(False)
 
     return lax.cond(apply, taken, skipped, operands)
+
+
+def selected(
+    apply: jax.Array,
+    step: Callable[[Any], Any],
+    skip: Callable[[Any, Any], Any],
+    operands: Any,
+    after: Callable[[Any], Any],
+) -> tuple[Any, Any]:
+    """`guarded`'s result, without a conditional: each leaf selected.
+
+    ``after(apply)`` gets the traced decision.
+    """
+    new = step(operands)
+    old = skip(operands, jax.tree.map(jax.typeof, new))
+    out = jax.tree.map(lambda n, o: select(apply, n, o), new, old)
+    return out, after(apply)
+
+
+def select(apply: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``apply`` (a scalar), else ``old``, bitwise.
+
+    The result has ``new``'s dtype, weakly typed if ``old`` is (as
+    ``lax.cond`` joins them), so a weakly typed state keeps its types and the
+    step is traced once. Floats narrower than float32 are selected as their
+    bits: XLA:CPU computes them in float32, and a select it widens that way
+    would canonicalise a nan's payload.
+    """
+    new = jnp.asarray(new)
+    old = jnp.asarray(old)
+    weak = jax.typeof(old).weak_type and old.dtype == new.dtype
+    if old.dtype != new.dtype:
+        old = old.astype(new.dtype)
+    narrow = jnp.issubdtype(new.dtype, jnp.floating) and jnp.finfo(new.dtype).bits < 32
+    if narrow:
+        bits = _UINT[jnp.finfo(new.dtype).bits]
+        chosen = lax.select(
+            apply,
+            lax.bitcast_convert_type(new, bits),
+            lax.bitcast_convert_type(old, bits),
+        )
+        chosen = lax.bitcast_convert_type(chosen, new.dtype)
+    else:
+        chosen = lax.select(apply, new, old)
+    if weak and not jax.typeof(chosen).weak_type:
+        # No public jax function makes an array weakly typed.
+        chosen = _convert_element_type(chosen, weak_type=True)
+    return chosen
+
+
+_UINT = {4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}

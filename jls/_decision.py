@@ -176,6 +176,20 @@ class Decisions:
             out.extend(agreed[i] for i in range(len(group)))
         return out
 
+    def _same(self, values: list[jax.Array]) -> jax.Array:
+        """Whether float32 scalar ``values`` are bitwise equal on every replica.
+
+        Over ``axis_name`` only (a model-parallel axis legitimately holds
+        different values), in one collective: the maximum of the bits and
+        of their complement (``~b``, whose maximum is ``~min(b)``).
+        """
+        if not self.axis_name:
+            return jnp.asarray(True)
+        bits = lax.bitcast_convert_type(jnp.stack(values), jnp.int32)
+        both = lax.pmax(jnp.concatenate([bits, ~bits]), self.axis_name)
+        n = bits.shape[0]
+        return jnp.all(both[:n] == bits) & jnp.all(~both[n:] == bits)
+
     def _hint_bfloat16(self, grads: Any) -> None:
         """Warns, at trace time, that bfloat16 gradients need no dynamic scale."""
         if self.scaler.measures or not self.scaler.is_dynamic:

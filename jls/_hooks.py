@@ -76,6 +76,8 @@ class StepInfo(NamedTuple):
       any_replica: reduces a list of scalar (or per-leaf) bools over the
         replicas: true where any replica's is. For a hook's own values
         computed from each replica's gradients.
+      same_on_replicas: whether a list of float32 scalars is bitwise equal
+        on every replica of ``axis_name`` (``True`` without one).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -101,6 +103,9 @@ class StepInfo(NamedTuple):
     applied: jax.Array | None
     loss_scale: LossScaleState | None
     any_replica: Callable[[list[jax.Array]], list[jax.Array]]
+    same_on_replicas: Callable[[list[jax.Array]], jax.Array] = lambda values: (
+        jax.numpy.asarray(True)
+    )
 
 
 class Hook:

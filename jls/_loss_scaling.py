@@ -53,7 +53,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       * each hook's: ``nonfinite_leaves`` (``diagnostics=True``),
         ``diverged`` (``max_consecutive_skips``), ``gradient_norm``
         (``gradient_norm=True``), ``spike`` and ``total_spikes``
-        (``skip_spikes``), and a user hook's `jls.Hook.metrics`.
+        (``skip_spikes``), ``replicas_differ`` and ``replica_mismatches``
+        (``check_replicas=True``), and a user hook's `jls.Hook.metrics`.
 
     Example:
       >>> import jls
@@ -87,7 +88,9 @@ def loss_scaling(
     max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
     gradient_norm: bool = False,
     skip_spikes: SpikeRule | None = None,
+    check_replicas: bool = False,
     hooks: Sequence[Hook] = (),
+    donated: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer with loss scaling.
 
@@ -118,8 +121,11 @@ def loss_scaling(
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
       scaler: a `LossScaler`; default ``jls.dynamic_scale()``.
       axis_name: the ``pmap``/``shard_map`` axis name (or names) over which
-        replicas agree on the skip decision. Not needed under ``jit`` with
-        sharded arrays, where the check is already global.
+        replicas agree on the skip decision and the scale. It does not
+        average the gradients: for data parallelism ``lax.pmean`` them over
+        the axis first (or use ``jls.train_step(..., average_over=...)``).
+        Not needed under ``jit`` with sharded arrays, where the check is
+        already global.
       diagnostics: record which gradient leaves were not finite on the latest
         step (``jls.metrics(...)["nonfinite_leaves"]``, `jls.nonfinite_paths`). Costs
         nothing on finite steps; a skipped step makes one more exact pass.
@@ -140,8 +146,22 @@ def loss_scaling(
       skip_spikes: a `jls.SpikeRule`: also skip a step whose gradient norm
         (or loss, given as ``loss=``) is an outlier against its running
         statistics. Composes with every scaler, ``no_scale()`` included.
+      check_replicas: with ``axis_name``: compare a fingerprint of the
+        gradients (one element per leaf, bitwise) across the replicas and
+        count the finite steps where they differ
+        (``jls.metrics(...)["replicas_differ"]``, ``["replica_mismatches"]``):
+        data-parallel gradients that were not averaged. One small collective
+        per step.
       hooks: further `jls.Hook` objects the step consults (a veto of your
         own, say); the arguments above add the built-in ones.
+      donated: whether your jitted step donates the parameters and the
+        optimizer state (``jax.jit(step, donate_argnums=...)``). It chooses
+        how a skipped step leaves them as they were, the form XLA compiles
+        best in each case: ``False`` (default) a select fused into the
+        update, free without donation; ``True`` one ``lax.cond`` whose skip
+        branch passes the donated buffers through, free with donation
+        (``docs/performance.md`` has the measurements). Both are exact; a
+        wrong setting costs time and memory, never correctness.
 
     Returns:
       ``LossScaling(...).gradient_transformation()``: an
@@ -174,7 +194,9 @@ def loss_scaling(
         max_consecutive_skips=max_consecutive_skips,
         gradient_norm=gradient_norm,
         skip_spikes=skip_spikes,
+        check_replicas=check_replicas,
         hooks=hooks,
+        donated=donated,
     ).gradient_transformation()
 
 

@@ -27,6 +27,12 @@ differentiates, checks once, and applies the fused update
   finite gradients above ``float32_max / k``. An accumulated mean can be
   reported non-finite only when it lies within a factor ``1 + k * 2**-23``
   of the float32 maximum (the rounding of ``k`` additions).
+* ``average_over``: data parallelism under ``pmap`` or ``shard_map``. The
+  gradients (and the reported loss) are averaged over the named axes with
+  ``lax.pmean`` before the check, as flax's ``DynamicScale.value_and_grad(...,
+  axis_name=...)`` does; every replica then applies the same update. Under
+  ``jit`` over sharded arrays the loss is already the global batch's and
+  nothing is needed.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from jls._scaling import compute_dtype
 from jls._state import LossScaleState
 from jls._transformation import LossScaling
 from jls._tree import merge, split_inexact
-from jls._validate import flag, integer
+from jls._validate import axis_names, flag, integer
 
 
 class StepOutput(NamedTuple):
@@ -112,6 +118,7 @@ def train_step(
     has_aux: bool = False,
     max_retries: int = 0,
     accumulation_steps: int = 1,
+    average_over: str | tuple[str, ...] | None = None,
 ) -> Callable[..., tuple[optax.Params, optax.OptState, StepOutput]]:
     """Makes a pure, jittable, loss-scaled train step.
 
@@ -127,6 +134,16 @@ def train_step(
         ``jls.metrics(opt_state)["retries"]``, and are not counted as steps.
       accumulation_steps: cut each batch into this many micro-batches along
         the leading axis and accumulate their gradients under one scale.
+      average_over: the ``pmap``/``shard_map`` axis name (or names) to
+        average the gradients over (``lax.pmean``, after accumulation, before
+        the check), for data-parallel training: each replica computes the
+        gradients of its shard of the batch and all apply their mean, so
+        replicas that start equal stay bitwise equal. ``StepOutput.loss`` is
+        averaged too; ``aux`` is each replica's own. The transformation's
+        ``axis_name`` only makes the replicas agree on the skip and the
+        scale: without ``average_over`` (or a ``lax.pmean`` of your own) each
+        replica would step with its own gradients. Not needed under ``jit``
+        over sharded arrays, where the loss is already the global batch's.
 
     Returns:
       ``step(params, opt_state, *batch) -> (params, opt_state, StepOutput)``.
@@ -137,6 +154,8 @@ def train_step(
         match what ``loss_fn`` returns.
       ValueError: if ``max_retries`` or ``accumulation_steps`` is out of range
         (or, at trace time, a batch does not split into micro-batches).
+      NameError: at trace time, if an ``average_over`` axis is not bound (the
+        step is not run under ``pmap``/``shard_map`` with that axis).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jls
@@ -156,6 +175,7 @@ def train_step(
     has_aux = flag("has_aux", has_aux)
     max_retries = integer("max_retries", max_retries, 0)
     accumulation_steps = integer("accumulation_steps", accumulation_steps, 1)
+    average_over = axis_names("average_over", average_over)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
     scaler = scaling.scaler
@@ -206,7 +226,7 @@ def train_step(
 
         if k == 1:
             grads, (loss, aux) = grad(batch)
-            return grads, jnp.asarray(loss, jnp.float32), aux
+            return (*averaged(grads, jnp.asarray(loss, jnp.float32)), aux)
 
         pre = _pow2_at_most_inverse(k)
 
@@ -230,7 +250,19 @@ def train_step(
             total,
             shapes,
         )
-        return grads, jnp.mean(losses), auxes
+        return (*averaged(grads, jnp.mean(losses)), auxes)
+
+    def averaged(grads, loss):
+        if not average_over:
+            return grads, loss
+        try:
+            return lax.pmean((grads, loss), average_over)
+        except NameError as e:
+            raise NameError(
+                f"train_step(average_over={average_over!r}): {e}. Run the step "
+                "under jax.pmap or jax.shard_map with that axis name (under jit "
+                "over sharded arrays the gradients are global: drop average_over)"
+            ) from e
 
     def step(params, opt_state, *batch):
         state = scaling._check_state(opt_state)

@@ -13,23 +13,19 @@ step, inside ``jit``:
    non-finite. Every replica agrees (``pmin`` over ``axis_name`` and any
    ``shard_map`` axis the gradients vary over).
 2. The hooks' vetoes (`jls.Hook`), agreed the same way in one collective.
-3. ``lax.cond`` on the decision (`jls._cond`). The applying branch unscales
-   the gradients (a multiplication by the reciprocal scale, which XLA fuses
-   into the optimizer's elementwise update), runs the inner optimizer and, on
-   the fused path, adds the updates to the parameters; the other branch
-   passes the inner state (and parameters) through and returns ``-0.0``
-   updates. Each branch advances the scale rule.
+3. The skip (`jls._cond`): the applying computation unscales the gradients
+   (a multiplication by the reciprocal scale, which XLA fuses into the
+   optimizer's elementwise update), runs the inner optimizer and, on the
+   fused path, adds the updates; each state leaf is then selected against
+   its old value (``donated=True``: one ``lax.cond`` whose skip branch passes
+   the state through). Skipped updates are ``-0.0``. The scale rule advances.
 4. The hooks record what they keep.
 
-How this was chosen (``benchmarks/bench_step.py`` and scripts like it, on
-XLA:CPU, a 27M-parameter transformer with a donated Adam state, 60
-interleaved rounds): unscaling before the decision (and checking the
-unscaled values) materialises a second gradient tree and cost 1.12x plain
-Adam; unscaling inside the branch with a division did too (XLA will not
-duplicate a division into Adam's two uses of the gradient), 1.19x; with a
-multiplication inside the branch, 1.05x. ``tests/test_perf_guards.py``
-asserts the result (compiled temporary memory, HLO copies, one conditional,
-one reduction per large leaf).
+How this was chosen (``benchmarks/bench_step.py``, ``bench_skip.py``):
+unscaling before the decision materialises a second gradient tree (1.12x
+plain Adam on the 27M LM, donated); a division in the branch is not
+duplicated into Adam's two uses of the gradient (1.19x); a multiplication,
+1.05x. ``tests/integration/test_perf_guards.py`` asserts the result.
 
 ``docs/design.md`` says what is kept from earlier designs, and why.
 """
@@ -52,12 +48,13 @@ from jls._divergence import DIVERGENCE_LIMIT
 from jls._dynamic import dynamic_scale
 from jls._hooks import Hook, StepInfo, WrapperState
 from jls._inner import Transformation, checked_inner
+from jls._off import is_off, off_step
 from jls._rule import LossScaler, checked_scaler
-from jls._scaling import Factors, reciprocals, unscale_leaf
+from jls._scaling import reciprocals, unscale_leaf
 from jls._spikes import SpikeRule
 from jls._state import LossScaleState, check_state
 from jls._tree import holds, merge, split_frozen, split_inexact
-from jls._validate import axis_names
+from jls._validate import axis_names, flag
 
 
 class LossScaling(Decisions):
@@ -102,8 +99,11 @@ class LossScaling(Decisions):
         max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
         gradient_norm: bool = False,
         skip_spikes: SpikeRule | None = None,
+        check_replicas: bool = False,
+        donated: bool = False,
     ) -> None:
         self.inner = checked_inner(inner)
+        self.donated = flag("donated", donated)
         self.scaler = dynamic_scale() if scaler is None else checked_scaler(scaler)
         self.axis_name = axis_names("axis_name", axis_name)
         self.hooks = all_hooks(
@@ -113,12 +113,14 @@ class LossScaling(Decisions):
             gradient_norm,
             skip_spikes,
             self.scaler.skip_nonfinite,
+            (check_replicas, self.axis_name),
         )
 
     def __repr__(self) -> str:
         return (
             f"LossScaling(inner={self.inner!r:.80}, scaler={self.scaler!r}, "
-            f"axis_name={self.axis_name!r}, hooks={self.hooks!r})"
+            f"axis_name={self.axis_name!r}, hooks={self.hooks!r}, "
+            f"donated={self.donated!r})"
         )
 
     @staticmethod
@@ -223,6 +225,8 @@ class LossScaling(Decisions):
         """
         _check_order(state, params)
         state = self._check_state(state)
+        if is_off(self.scaler, self.hooks):
+            return off_step(self.inner, grads, state, params, extra_args, fused=fused)
         loss, extra_args = self._pop_loss(extra_args)
         if decision is None:
             decision = self._decide(grads, state.loss_scale, also_finite=also_finite)
@@ -235,12 +239,18 @@ class LossScaling(Decisions):
             applied=None,
             loss_scale=None,
             any_replica=lambda flags: self._agree(flags, lax.pmax),
+            same_on_replicas=self._same,
         )
         vetoed, held = self._vetoes(state, info, decision.apply)
         apply = decision.apply
         for v in vetoed.values():
             apply = apply & ~v
-        factors = self._reciprocals(grads, state.loss_scale)
+        # Computed once, before the skip, so each fusion that reads a
+        # gradient does not recompute them.
+        factors = {}
+        if not self.scaler.is_identity:
+            two = self.scaler.two_factor
+            factors = reciprocals(state.loss_scale.scale, grads, two_factor=two)
         rest = frozen = None
         if fused:
             params, rest = split_inexact(params)  # a whole model: the rest passes by
@@ -248,7 +258,8 @@ class LossScaling(Decisions):
 
         def taken(operands):
             grads, inner_state, params = operands
-            grads = self._unscale(grads, factors)
+            if factors:  # none: the scale is 1 forever
+                grads = jax.tree.map(lambda g: unscale_leaf(g, factors), grads)
             updates, inner_state = self.inner.update(
                 grads, inner_state, params, **extra_args
             )
@@ -266,7 +277,9 @@ class LossScaling(Decisions):
         # branch, so the scale rule folds.
         known = self.scaler.skip_nonfinite and not vetoed
 
-        def adjusted(applied: bool) -> LossScaleState:
+        def adjusted(applied: Any) -> LossScaleState:
+            # ``applied``: a Python bool in a branch of the conditional, else
+            # the traced decision.
             new = self.scaler.adjust(
                 state.loss_scale,
                 jnp.asarray(applied) if known else decision.finite,
@@ -274,13 +287,14 @@ class LossScaling(Decisions):
                 magnitude=decision.magnitude,
                 retries=retries,
             )
-            if held is None or applied:
+            if held is None or applied is True:
                 return new
             kept = self.scaler.hold(state.loss_scale, decision.finite)
-            hold = held
+            hold = held if applied is False else held & ~applied
             return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
 
-        (out, inner_state), loss_scale = _cond.guarded(
+        skip = _cond.guarded if self.donated else _cond.selected
+        (out, inner_state), loss_scale = skip(
             apply, taken, skipped, (grads, state.inner_state, params), adjusted
         )
         if fused:
@@ -321,23 +335,6 @@ class LossScaling(Decisions):
             )
         loss_scale = check_state(opt_state.loss_scale, argname="opt_state.loss_scale")
         return opt_state._replace(loss_scale=loss_scale)
-
-    def _reciprocals(self, grads: Any, loss_scale: LossScaleState) -> Factors:
-        """The unscaling factors, computed once, before the conditional.
-
-        So the branch receives them as operands instead of recomputing them
-        in every fusion that reads a gradient.
-        """
-        if self.scaler.is_identity:
-            return {}
-        two = self.scaler.two_factor
-        return reciprocals(loss_scale.scale, grads, two_factor=two)
-
-    @staticmethod
-    def _unscale(grads: Any, factors: Factors) -> Any:
-        if not factors:  # scale 1 forever
-            return grads
-        return jax.tree.map(lambda g: unscale_leaf(g, factors), grads)
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -34,7 +34,9 @@ from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state
 from jax import lax
 
+from jls._cond import select
 from jls._loss_scaling import apply_gradients, metrics
+from jls._off import is_off
 from jls._transformation import LossScaling
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
@@ -85,7 +87,8 @@ class TrainState(train_state.TrainState):
             fused=True,
             also_finite=grads[OVERWRITE_WITH_GRADIENT] if fp8 else None,
         )
-        applied = ~metrics(opt_state)["skipped"]
+        off = is_off(scaling.scaler, scaling.hooks)  # the plain optimizer
+        applied = jnp.asarray(True) if off else ~metrics(opt_state)["skipped"]
         # Every other field the step writes (BatchNorm's batch_stats, the fp8
         # values) is kept as it was on a skipped step: a forward pass that
         # overflowed wrote inf statistics and amax values.
@@ -94,7 +97,7 @@ class TrainState(train_state.TrainState):
         if fp8:
             new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
             old[OVERWRITE_WITH_GRADIENT] = self.params[OVERWRITE_WITH_GRADIENT]
-        kept = _unless_skipped(applied, new, old)
+        kept = new if off else _unless_skipped(applied, new, old, scaling.donated)
         if fp8:
             new_params = {
                 "params": new_params,
@@ -108,16 +111,20 @@ class TrainState(train_state.TrainState):
         )
 
 
-def _unless_skipped(applied: Any, new: Any, old: Any) -> Any:
-    """``new`` if the step was applied, else ``old`` (one ``lax.cond``).
+def _unless_skipped(applied: Any, new: Any, old: Any, donated: bool) -> Any:
+    """``new`` if the step was applied, else ``old``, bitwise.
 
     A tree the step replaces wholesale, so that a skipped step leaves it
-    bitwise as it was; its new values are never mixed in arithmetic.
+    bitwise as it was; its new values are never mixed in arithmetic. A
+    select per leaf, or one ``lax.cond`` when the caller donates the state
+    (``loss_scaling(..., donated=True)``; see `jls._cond`).
     """
     if not jax.tree.leaves(new):
         return new
     new = jax.tree.map(jnp.asarray, new)
     old = jax.tree.map(lambda o, n: jnp.asarray(o, n.dtype), old, new)
+    if not donated:
+        return jax.tree.map(lambda n, o: select(applied, n, o), new, old)
     return lax.cond(applied, lambda n, o: n, lambda n, o: o, new, old)
 
 
@@ -184,10 +191,12 @@ class Optimizer(nnx.Optimizer):
         )
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(opt_state, **graph))
-        applied = ~metrics(opt_state)["skipped"]
-        if self.keep is not None:
+        scaling = LossScaling._of(self.tx)
+        off = is_off(scaling.scaler, scaling.hooks)  # the plain optimizer
+        applied = jnp.asarray(True) if off else ~metrics(opt_state)["skipped"]
+        if self.keep is not None and not off:
             now = _pure(nnx.state(model, self.keep, **graph))
-            kept = _unless_skipped(applied, now, _pure(self.kept))
+            kept = _unless_skipped(applied, now, _pure(self.kept), scaling.donated)
             nnx.update(model, kept)
             nnx.update(self.kept, to_opt_state(kept))
         self.step[...] += applied.astype(self.step[...].dtype)

@@ -151,3 +151,97 @@ def test_bad_train_step_arguments():
         jls.train_step(loss_fn, tx, accumulation_steps=0)
     with pytest.raises(TypeError, match="made by jls.loss_scaling"):
         jls.train_step(loss_fn, optax.sgd(0.1))
+
+
+# average_over: data parallelism (a named vmap stands in for pmap here; the
+# pmap and shard_map cases run in tests/integration/test_distributed.py).
+
+R = 4  # replicas
+
+
+def _shards():
+    rng = np.random.default_rng(3)
+    return jnp.asarray(rng.normal(size=(R, 8, X.shape[-1])).astype(np.float32))
+
+
+def _replicated(tree):
+    return jax.tree.map(lambda x: jnp.stack([x] * R), tree)
+
+
+def _data_parallel(tx, steps=3, **kw):
+    step = jax.vmap(jls.train_step(loss_fn, tx, **kw), axis_name="batch")
+    params = _replicated(W)
+    state = jax.vmap(tx.init)(params)
+    x = _shards()
+    for _ in range(steps):
+        params, state, out = jax.jit(step)(params, state, x)
+    return params, state, out
+
+
+def _bitwise_same_across(tree):
+    return all(
+        np.array_equal(
+            np.asarray(x).view(np.uint8), np.asarray(x[:1]).repeat(R, 0).view(np.uint8)
+        )
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def test_average_over_keeps_replicas_bitwise_equal_and_steps_with_the_mean():
+    tx = jls.loss_scaling(
+        optax.adam(1e-2), jls.dynamic_scale(2.0**8), axis_name="batch"
+    )
+    params, state, out = _data_parallel(tx, steps=1, average_over="batch")
+    assert _bitwise_same_across((params, state.inner_state))
+    # One step of the replicas' mean gradient, computed here by hand.
+    grads = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(W, _shards())
+    mean = jax.tree.map(lambda g: g.mean(0), grads)
+    adam = optax.adam(1e-2)
+    updates, _ = adam.update(mean, adam.init(W), W)
+    want = optax.apply_updates(W, updates)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x[0], params), want, rtol=1e-6, atol=1e-7
+    )
+    losses = jax.vmap(loss_fn, in_axes=(None, 0))(W, _shards())
+    np.testing.assert_allclose(out.loss, np.full(R, losses.mean()), rtol=1e-6)
+
+
+def test_without_average_over_the_replicas_drift_apart():
+    # The trap this option closes: axis_name alone agrees on the skip only.
+    tx = jls.loss_scaling(
+        optax.adam(1e-2), jls.dynamic_scale(2.0**8), axis_name="batch"
+    )
+    params, _, _ = _data_parallel(tx, steps=1)
+    assert not _bitwise_same_across(params)
+
+
+def test_average_over_with_accumulation_keeps_replicas_equal():
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**8), axis_name="batch")
+    params, state, _ = _data_parallel(tx, average_over="batch", accumulation_steps=2)
+    assert _bitwise_same_across((params, state))
+
+
+def test_average_over_a_nan_on_one_replica_skips_every_replica():
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**8), axis_name="batch")
+    step = jax.vmap(
+        jls.train_step(loss_fn, tx, average_over="batch"), axis_name="batch"
+    )
+    params = _replicated(W)
+    state = jax.vmap(tx.init)(params)
+    x = _shards().at[2, 0, 0].set(jnp.nan)
+    new, state, out = jax.jit(step)(params, state, x)
+    assert out.skipped.tolist() == [True] * R
+    chex.assert_trees_all_equal(new, params)
+
+
+def test_average_over_refuses_an_unbound_axis_naming_the_fix():
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    step = jls.train_step(loss_fn, tx, average_over="batch")
+    with pytest.raises(NameError, match=r"average_over=\('batch',\).*pmap"):
+        jax.jit(step)(W, tx.init(W), X)
+
+
+@pytest.mark.parametrize("bad", [3, ("batch", 1), ()])
+def test_average_over_must_name_axes(bad):
+    with pytest.raises(TypeError, match="average_over must be None, a str or a tuple"):
+        jls.train_step(loss_fn, jls.loss_scaling(optax.sgd(0.1)), average_over=bad)

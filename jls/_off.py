@@ -1,0 +1,85 @@
+"""The off switch: ``jls.no_scale(skip_nonfinite=False)`` is the plain optimizer.
+
+One training script serves every precision when its float32 and bfloat16
+runs can keep the same ``TrainState`` and step: ``jls.loss_scaling(tx,
+jls.no_scale(skip_nonfinite=False))`` is ``tx`` itself. A scaler that never
+scales and never skips needs no check and no conditional, so the step is
+the inner optimizer's own update (and, on the fused path, its
+``optax.apply_updates``): bitwise the plain step, at its cost
+(``benchmarks/bench_step.py``'s ``jls_off`` variant; ``tests/test_off.py``
+compares the two compiled programs). A non-finite gradient is applied, as
+the plain optimizer applies it; the state reports scale 1 and no skips.
+
+The gradients are not unscaled: the state's scale is 1. A state restored
+from a scaled float16 run holds another scale, which ``jls.scale_loss``
+applies to that first step's loss; restore such a state with the scale set
+to 1 (``jls.set_loss_scale(opt_state, 1.0)``). The step resets it to 1
+either way. (Dividing by the state's scale, even through a select that
+passes scale-1 gradients through, changes how XLA fuses Adam's update and
+the last bits of its moments: the step would no longer be the plain one.)
+
+Only the default divergence hook may be present (nothing skips, so it never
+fires); any other hook (diagnostics, the gradient norm, a spike rule, a
+user's veto) needs the check, and the step takes the usual path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jls._divergence import Divergence
+from jls._hooks import Hook, WrapperState
+from jls._rule import LossScaler
+from jls._tree import merge, split_frozen, split_inexact
+
+
+def is_off(scaler: LossScaler, hooks: tuple[Hook, ...]) -> bool:
+    """Whether a transformation with these is the plain optimizer."""
+    return (
+        scaler.is_identity
+        and not scaler.skip_nonfinite
+        and all(isinstance(h, Divergence) for h in hooks)
+    )
+
+
+def off_step(
+    inner: Any,
+    grads: Any,
+    state: WrapperState,
+    params: Any,
+    extra_args: dict[str, Any],
+    *,
+    fused: bool,
+) -> tuple[Any, WrapperState]:
+    """The inner optimizer's step, as `jls.LossScaling._step` returns it."""
+    _warn_float16(grads)
+    rest = frozen = None
+    if fused:
+        params, rest = split_inexact(params)
+        params, frozen = split_frozen(params, grads)
+    updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    out = updates
+    if fused:
+        out = merge(merge(optax.apply_updates(params, updates), frozen), rest)
+    loss_scale = state.loss_scale._replace(scale=jnp.ones_like(state.loss_scale.scale))
+    return out, state._replace(loss_scale=loss_scale, inner_state=inner_state)
+
+
+def _warn_float16(grads: Any) -> None:
+    """Warns, at trace time, that float16 gradients are trained without a scale."""
+    dtypes = {np.dtype(getattr(g, "dtype", np.float32)) for g in jax.tree.leaves(grads)}
+    if np.dtype(jnp.float16) in dtypes:
+        warnings.warn(
+            "float16 gradients with jls.no_scale(skip_nonfinite=False): loss "
+            "scaling is off and non-finite steps are applied. float16 needs a "
+            "scale: use jls.dynamic_scale() (or jls.presets.flax()) for it, "
+            "and keep the off switch for float32 and bfloat16 runs",
+            UserWarning,
+            stacklevel=5,
+        )

@@ -1,0 +1,98 @@
+"""The replica check: data-parallel gradients that were not averaged are counted."""
+
+# pyright: reportAttributeAccessIssue=false, reportArgumentType=false
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jls
+from jls._replicas import fingerprint
+
+R = 4
+
+
+def _step(tx, average):
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jls.scale_loss(jnp.mean((x @ p) ** 2), state))(
+            params
+        )
+        if average:
+            grads = jax.lax.pmean(grads, "batch")
+        return jls.apply_gradients(tx, grads, state, params)
+
+    return jax.jit(jax.vmap(step, axis_name="batch"))
+
+
+def _run(average, steps=3, bad_step=None):
+    tx = jls.loss_scaling(
+        optax.sgd(0.1),
+        jls.dynamic_scale(2.0**4),
+        axis_name="batch",
+        check_replicas=True,
+    )
+    params = jnp.stack([jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)] * R)
+    state = jax.vmap(tx.init)(params)
+    rng = np.random.default_rng(0)
+    step = _step(tx, average)
+    history = []
+    for i in range(steps):
+        x = rng.normal(size=(R, 5, 3)).astype(np.float32)
+        if i == bad_step:
+            x[1, 0, 0] = np.inf
+        params, state = step(params, state, jnp.asarray(x))
+        m = jls.metrics(state)
+        history.append(
+            (m["replicas_differ"].tolist(), m["replica_mismatches"].tolist())
+        )
+    return history
+
+
+def test_forgotten_averaging_is_counted_on_every_replica():
+    assert _run(average=False) == [
+        ([True] * R, [1] * R),
+        ([True] * R, [2] * R),
+        ([True] * R, [3] * R),
+    ]
+
+
+def test_averaged_gradients_are_never_counted():
+    assert _run(average=True) == [([False] * R, [0] * R)] * 3
+
+
+def test_a_skipped_step_is_not_counted():
+    history = _run(average=False, bad_step=1)
+    assert history[1] == ([False] * R, [1] * R)
+    assert history[2] == ([True] * R, [2] * R)
+
+
+def test_check_replicas_needs_an_axis_name():
+    with pytest.raises(ValueError, match="check_replicas=True compares the replicas"):
+        jls.loss_scaling(optax.sgd(0.1), check_replicas=True)
+    with pytest.raises(TypeError, match="check_replicas must be a bool"):
+        jls.loss_scaling(optax.sgd(0.1), axis_name="b", check_replicas="yes")
+
+
+def test_the_fingerprint_reads_one_element_of_each_floating_leaf():
+    tree = {
+        "w": jnp.arange(6.0).reshape(2, 3) + 7,
+        "c": jnp.array([2 + 3j], jnp.complex64),
+        "n": jnp.int32(4),
+        "empty": jnp.zeros((0,)),
+        "h": jnp.array([1.5, 9.0], jnp.float16),
+    }
+    values = fingerprint(tree)
+    assert [float(v) for v in values] == [2.0, 1.5, 7.0]
+    assert all(v.dtype == jnp.float32 for v in values)
+
+
+def test_differing_bits_are_seen_where_values_compare_equal():
+    # -0.0 == 0.0 as numbers; the check compares bits (pmean's results are
+    # bitwise equal on every replica, so bits are the honest test).
+    tx = jls.LossScaling(optax.sgd(0.1), axis_name="batch")
+    same = jax.vmap(lambda v: tx._same([v]), axis_name="batch")
+    assert same(jnp.array([0.0, -0.0])).tolist() == [False, False]
+    assert same(jnp.array([1.0, 1.0])).tolist() == [True, True]
+    assert same(jnp.array([jnp.nan, jnp.nan])).tolist() == [True, True]
