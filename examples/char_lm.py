@@ -247,7 +247,10 @@ def _plot(rows: list[dict], path: pathlib.Path) -> bool:
 
 def main(argv=None) -> list[dict]:
     """Trains every mode and prints the table; returns the rows."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, help="training steps per mode")
     parser.add_argument("--large", action="store_true", help="a bigger, longer run")
     parser.add_argument("--out", default="jls-char-lm", help="folder for the PNG")

@@ -44,7 +44,10 @@ def loss_fn(params, x, y):
 
 def main(argv=None) -> dict:
     """Trains, checkpoints, restores, trains on; returns a summary."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=40, help="training steps")
     parser.add_argument(
         "--out", default=None, help="checkpoint folder (default: a temporary one)"

@@ -596,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """
     defaults = Config()
     parser = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="python examples/demo.py",
         description=(
             "Train a 6-layer MLP on scikit-learn's digits in float32, float16 "

@@ -34,7 +34,10 @@ def make_data(seed: int, n: int = 1024, dim: int = 16):
 
 def main(argv=None) -> dict:
     """Trains and returns the final loss, loss scale and skipped steps."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=300, help="training steps")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args(argv)

@@ -35,7 +35,10 @@ def make_data(seed: int, n: int = 2048, dim: int = 32, classes: int = 4):
 
 def main(argv=None) -> dict:
     """Trains and prints the loss, loss scale and skipped steps."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=600, help="training steps")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--batch", type=int, default=128, help="batch size")
