@@ -75,7 +75,10 @@ def run(n_leaves: int, dtype, total_bytes: int, rounds: int, seed: int = 0):
 
 def main(argv=None) -> None:
     """Prints a markdown table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--mib", type=int, default=100, help="bytes per tree")
     args = parser.parse_args(argv)

@@ -165,7 +165,10 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> None:
     """Runs the benchmark and prints markdown tables."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--model", choices=["lm", "mlp", "both"], default="both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(

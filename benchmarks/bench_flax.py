@@ -66,7 +66,10 @@ def make_flax_variants(loss_fn, params):
 
 def main(argv=None) -> None:
     """Runs the benchmark and prints markdown tables."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--model", choices=["lm", "mlp", "both"], default="both")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps-per-sample", type=int, default=2)

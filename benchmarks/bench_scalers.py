@@ -335,7 +335,10 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--cases", default="demo,lm,stress")
     parser.add_argument("--steps", type=int, default=1500, help="demo and stress")
     parser.add_argument("--margins", default="", help="extra measured margins (log2)")

@@ -1,11 +1,15 @@
 """Train-step overhead of loss scaling: jls against plain optax and peer idioms.
 
-Every variant is a jitted train step with donated parameters and optimizer
-state (Adam), on the same model and batch. They run side by side in one
-process, in interleaved rounds (each round times one step of every variant,
-in a shuffled order, a few steps per sample), and the report gives, per
-variant, the median step time, the ratio of its median to plain optax's, and
-the median and 10th-90th percentile of its per-round ratio to plain optax.
+Every variant is a jitted train step (Adam), on the same model and batch,
+twice: without donation (as most user code: flax's examples, notebooks, a
+plain ``@jax.jit``) and with ``donate_argnums=(0, 1)`` ("(donated)"; jls's
+variants then pass ``donated=True``), each compared with plain Adam in the
+same mode. The report adds each compiled step's temporary bytes and copies.
+They run side by side in one process, in interleaved rounds (each round
+times one step of every variant, in a shuffled order, a few steps per
+sample), and the report gives, per variant, the median step time, the ratio
+of its median to plain optax's, and the median and 10th-90th percentile of
+its per-round ratio to plain optax.
 All steps are finite steps: the common case, and the one whose cost matters.
 
 Variants:
@@ -19,8 +23,13 @@ Variants:
   apply_if_finite  optax.apply_if_finite(adam) with a manual static scale.
   flax_dynamic_scale  flax.training.dynamic_scale.DynamicScale.value_and_grad
              and jnp.where over params and opt_state: flax's example idiom.
+  jls_off    jls.loss_scaling(adam, jls.no_scale(skip_nonfinite=False)): the
+             off switch a float32/bfloat16 run of a float16 script uses.
 
-Run: ``python benchmarks/bench_step.py [--model lm|mlp|both] [--rounds 30]``.
+Models: ``lm`` (27M-parameter transformer), ``mlp`` (3.7M), ``char``
+(``examples/char_lm.py``'s 0.47M model in float16).
+
+Run: ``python benchmarks/bench_step.py [--model lm|mlp|char|both|all] [--rounds 30]``.
 Needs the ``bench`` extra (flax, jmp).
 """
 
@@ -29,9 +38,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
+import pathlib
 import platform
 import random
+import re
+import sys
 import time
 
 import flax.linen as nn
@@ -98,6 +111,8 @@ class MLP(nn.Module):
 def make_problem(name: str):
     """Returns (loss_fn(params, batch), params, batch)."""
     key = jax.random.key(0)
+    if name == "char":
+        return _char_problem(key)
     if name == "lm":
         model = LM()
         tokens = jax.random.randint(key, (1, 65), 0, model.vocab)
@@ -124,6 +139,20 @@ def make_problem(name: str):
     return loss_fn, params, (x, y)
 
 
+def _char_problem(key):
+    """``examples/char_lm.py``'s model at its default size, run in float16."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "char_lm.py"
+    spec = importlib.util.spec_from_file_location("char_lm", path)
+    assert spec is not None and spec.loader is not None
+    char_lm = importlib.util.module_from_spec(spec)
+    sys.modules["char_lm"] = char_lm  # its dataclasses look themselves up
+    spec.loader.exec_module(char_lm)
+    cfg = char_lm.Config()
+    params = char_lm.init_params(key, cfg)
+    tokens = jax.random.randint(key, (cfg.batch, cfg.seq + 1), 0, 256)
+    return char_lm.make_loss(cfg, "f16"), params, tokens
+
+
 @contextlib.contextmanager
 def _plain_sum_check():
     """While tracing: jls's check as jls 0.1 had it, a plain ``sum(x)``."""
@@ -139,45 +168,64 @@ def _plain_sum_check():
         _finite._shrunk_sum = saved
 
 
-def make_variants(loss_fn, params):
-    """Returns {name: (jitted step, initial opt_state)}."""
-    adam = optax.adam(1e-4)
-    donate = functools.partial(jax.jit, donate_argnums=(0, 1))
-    variants = {}
+def make_variants(loss_fn, params, modes=(False, True)):
+    """Returns {name: (jitted step, initial opt_state)} for each donation mode.
 
-    @donate
+    Each variant is jitted without donation (the name as it is) and with
+    ``donate_argnums=(0, 1)`` (the name with `DONATED`); jls's variants pass
+    ``donated=`` to match.
+    """
+    adam = optax.adam(1e-4)
+    variants = {}
+    for donated in modes:
+        jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ())
+        suffix = DONATED if donated else ""
+        for key, (fn, state) in _steps(loss_fn, params, adam, donated).items():
+            variants[key + suffix] = (jit(fn), state)
+    return variants
+
+
+def _steps(loss_fn, params, adam, donated):
+    """The variants' step functions, not jitted, and their initial states."""
+    steps = {}
+
     def plain(params, state, batch):
         grads = jax.grad(loss_fn)(params, batch)
         updates, state = adam.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    variants["plain"] = (plain, adam.init(params))
+    steps["plain"] = (plain, adam.init(params))
 
-    tx = jls.loss_scaling(adam, jls.dynamic_scale(2.0**15, growth_interval=10**6))
+    scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
+    tx = jls.loss_scaling(adam, scaler, donated=donated)
 
-    @donate
     def jls_fused(params, state, batch):
         grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(params)
         return jls.apply_gradients(tx, grads, state, params)
 
-    @donate
     def jls_update(params, state, batch):
         grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    @donate
     def jls_fused_sum_check(params, state, batch):
         # jls 0.1's check, a plain sum per leaf, which the compiler can fool
         # (issue 10): the cost of the fusion-proof sum of magnitudes.
         with _plain_sum_check():
             return jls_fused(params, state, batch)
 
-    variants["jls_fused"] = (jls_fused, tx.init(params))
-    variants["jls_update"] = (jls_update, tx.init(params))
-    variants["jls_fused_sum_check"] = (jls_fused_sum_check, tx.init(params))
+    off = jls.loss_scaling(adam, jls.no_scale(skip_nonfinite=False))
 
-    @donate
+    def jls_off(params, state, batch):
+        # The off switch (bfloat16/float32 runs of a float16 script).
+        grads = jax.grad(loss_fn)(params, batch)
+        return jls.apply_gradients(off, grads, state, params)
+
+    steps["jls_fused"] = (jls_fused, tx.init(params))
+    steps["jls_update"] = (jls_update, tx.init(params))
+    steps["jls_fused_sum_check"] = (jls_fused_sum_check, tx.init(params))
+    steps["jls_off"] = (jls_off, off.init(params))
+
     def jmp_select(params, state, batch):
         opt_state, loss_scale = state
         grads = jax.grad(lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
@@ -192,21 +240,19 @@ def make_variants(loss_fn, params):
         return params, (opt_state, loss_scale)
 
     jmp_scale = jmp.DynamicLossScale(jnp.float32(2.0**15), period=10**6)
-    variants["jmp"] = (jmp_select, (adam.init(params), jmp_scale))
+    steps["jmp"] = (jmp_select, (adam.init(params), jmp_scale))
 
     guarded = optax.apply_if_finite(adam, max_consecutive_errors=10**6)
     scale = jnp.float32(2.0**15)
 
-    @donate
     def apply_if_finite(params, state, batch):
         grads = jax.grad(lambda p: loss_fn(p, batch) * scale)(params)
         grads = jax.tree.map(lambda g: g / scale, grads)
         updates, state = guarded.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    variants["apply_if_finite"] = (apply_if_finite, guarded.init(params))
+    steps["apply_if_finite"] = (apply_if_finite, guarded.init(params))
 
-    @donate
     def flax_dynamic_scale(params, state, batch):
         opt_state, dyn = state
         dyn, is_fin, _, grads = dyn.value_and_grad(loss_fn)(params, batch)
@@ -218,8 +264,28 @@ def make_variants(loss_fn, params):
         return params, (opt_state, dyn)
 
     dyn = DynamicScale(growth_interval=10**6, scale=jnp.float32(2.0**15))
-    variants["flax_dynamic_scale"] = (flax_dynamic_scale, (adam.init(params), dyn))
-    return variants
+    steps["flax_dynamic_scale"] = (flax_dynamic_scale, (adam.init(params), dyn))
+    return steps
+
+
+DONATED = " (donated)"
+
+
+def baseline(key: str) -> str:
+    """The plain variant a variant is compared with: the same donation."""
+    return "plain" + DONATED if key.endswith(DONATED) else "plain"
+
+
+def compiled_stats(step, params, opt_state, batch) -> dict:
+    """The compiled step's temporary bytes and copy instructions."""
+    try:
+        compiled = step.lower(params, opt_state, batch).compile()
+    except TypeError:  # jmp's state cannot be unflattened from lowering's ArgInfo
+        return {}
+    text = compiled.as_text()
+    copies = len(re.findall(r"= \S+ copy\(", text))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return {"temp_mb": temp / 1e6, "copies": copies}
 
 
 def run(
@@ -229,41 +295,33 @@ def run(
     only: list[str] | None = None,
     seed: int = 0,
     variants_fn=None,
+    stats=None,
 ) -> dict:
     """Benchmarks the variants on one model; returns the summary.
 
     ``variants_fn(loss_fn, params)`` makes the variants (default
     `make_variants`), each ``(step, state)`` with ``step(params, state,
-    batch) -> (params, state)`` and one of them named ``plain``.
+    batch) -> (params, state)``; each is compared with the variant
+    `baseline` names (``plain``, or ``plain (donated)`` for a donated one).
+    ``stats(step, params, opt_state, batch)``: a dict of facts about each
+    compiled step to report (e.g. `compiled_stats`).
     """
     loss_fn, params, batch = make_problem(name)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     n_leaves = len(jax.tree.leaves(params))
     variants = (variants_fn or make_variants)(loss_fn, params)
     if only:
-        variants = {k: v for k, v in variants.items() if k == "plain" or k in only}
-    state = {}
-    for key, (step, opt_state) in variants.items():
-        p = jax.tree.map(jnp.copy, params)
-        p, opt_state = step(p, opt_state, batch)  # compile + warm up
-        p, opt_state = step(p, opt_state, batch)
-        jax.block_until_ready((p, opt_state))
-        state[key] = (p, opt_state)
-    times = {key: [] for key in variants}
-    order = list(variants)
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for key in order:
-            step = variants[key][0]
-            p, s = state[key]
-            t0 = time.perf_counter()
-            for _ in range(steps_per_sample):
-                p, s = step(p, s, batch)
-            jax.block_until_ready((p, s))
-            times[key].append((time.perf_counter() - t0) / steps_per_sample)
-            state[key] = (p, s)
-    plain = np.asarray(times["plain"])
+        keep = {"plain", *only}
+        variants = {k: v for k, v in variants.items() if k.split(" ")[0] in keep}
+    facts = {}
+    if stats is not None:
+        for key, (step, opt_state) in variants.items():
+            facts[key] = stats(step, params, opt_state, batch)
+    timed = {
+        key: (_pairwise(step), (jax.tree.map(jnp.copy, params), opt_state))
+        for key, (step, opt_state) in variants.items()
+    }
+    times = interleaved(timed, batch, rounds, steps_per_sample, seed)
     result = {
         "model": name,
         "params": int(n_params),
@@ -272,41 +330,94 @@ def run(
         "steps_per_sample": steps_per_sample,
         "variants": {},
     }
+    for key, row in summary(times, baseline).items():
+        result["variants"][key] = {**row, **facts.get(key, {})}
+    return result
+
+
+def _pairwise(step):
+    return lambda carry, batch: step(*carry, batch)
+
+
+def interleaved(variants, batch, rounds, steps_per_sample=1, seed=0) -> dict:
+    """Per-sample seconds per step of each variant, in interleaved rounds.
+
+    ``variants``: ``{key: (step, carry)}`` with ``carry = step(carry,
+    batch)``. Each is compiled and warmed up first; each round then times
+    ``steps_per_sample`` steps of every variant, in a shuffled order.
+    """
+    state = {}
+    for key, (step, carry) in variants.items():
+        carry = step(step(carry, batch), batch)  # compile + warm up
+        state[key] = jax.block_until_ready(carry)
+    times = {key: [] for key in variants}
+    order = list(variants)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for key in order:
+            step, carry = variants[key][0], state[key]
+            t0 = time.perf_counter()
+            for _ in range(steps_per_sample):
+                carry = step(carry, batch)
+            jax.block_until_ready(carry)
+            times[key].append((time.perf_counter() - t0) / steps_per_sample)
+            state[key] = carry
+    return times
+
+
+def summary(times: dict, base) -> dict:
+    """Median time and ratios of each variant to ``base(key)``'s, per round."""
+    out = {}
     for key, ts in times.items():
+        plain = np.asarray(times[base(key)])
         ratio = np.asarray(ts) / plain
-        result["variants"][key] = {
+        out[key] = {
             "median_ms": float(np.median(ts) * 1e3),
             "ratio_of_medians": float(np.median(ts) / np.median(plain)),
             "ratio_median": float(np.median(ratio)),
             "ratio_p10": float(np.percentile(ratio, 10)),
             "ratio_p90": float(np.percentile(ratio, 90)),
         }
-    return result
+    return out
 
 
 def report(result: dict) -> str:
     """A markdown table of one model's results."""
+    has_stats = any("temp_mb" in v for v in result["variants"].values())
+    extra = " temp MB | copies |" if has_stats else ""
     lines = [
         f"{result['model']}: {result['params'] / 1e6:.1f}M params, "
         f"{result['leaves']} leaves, {result['rounds']} interleaved rounds of "
-        f"{result['steps_per_sample']} step(s) per variant",
+        f"{result['steps_per_sample']} step(s) per variant; ratios to plain "
+        "Adam with the same donation",
         "",
         "| variant | median step (ms) | ratio of medians | per-round ratio: "
-        "median | p10-p90 |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "median | p10-p90 |" + extra,
+        "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if has_stats else ""),
     ]
     for key, v in result["variants"].items():
-        lines.append(
+        row = (
             f"| {key} | {v['median_ms']:.1f} | {v['ratio_of_medians']:.3f} | "
             f"{v['ratio_median']:.3f} | {v['ratio_p10']:.3f}-{v['ratio_p90']:.3f} |"
         )
+        if has_stats and "temp_mb" in v:
+            row += f" {v['temp_mb']:.1f} | {v['copies']} |"
+        elif has_stats:
+            row += " - | - |"
+        lines.append(row)
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     """Runs the benchmark and prints markdown tables (and JSON with --json)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["lm", "mlp", "both"], default="both")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", choices=["lm", "mlp", "char", "both", "all"], default="both"
+    )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
         "--steps-per-sample", type=int, default=2, help="steps timed per sample"
@@ -320,9 +431,10 @@ def main(argv=None) -> None:
         f"jax {jax.__version__}, optax {optax.__version__}, "
         f"{jax.devices()[0].device_kind}, {platform.processor() or platform.machine()}"
     )
-    models = ["lm", "mlp"] if args.model == "both" else [args.model]
+    models = {"both": ["lm", "mlp"], "all": ["lm", "mlp", "char"]}
     results = [
-        run(m, args.rounds, args.steps_per_sample, args.variants) for m in models
+        run(m, args.rounds, args.steps_per_sample, args.variants, stats=compiled_stats)
+        for m in models.get(args.model, [args.model])
     ]
     for r in results:
         print()
