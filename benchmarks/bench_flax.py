@@ -1,8 +1,9 @@
 """The flax user's train step, with and without jls: linen ``TrainState``.
 
 A flax user steps with ``state.apply_gradients(grads=grads)``. Variants, on
-the models of ``bench_step.py`` (Adam, the state donated, interleaved rounds,
-medians and per-round ratios as there):
+the models of ``bench_step.py`` (Adam, interleaved rounds, medians and
+per-round ratios as there), each without donation and with the state donated
+("(donated)"; jls then told ``donated=True``):
 
   plain              flax's ``TrainState``, optax Adam, no loss scaling.
   jls_tx_update      flax's ``TrainState`` with ``tx=jls.loss_scaling(adam)``:
@@ -25,18 +26,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from bench_step import report, run
+from bench_step import DONATED, report, run
 from flax.training import train_state
 
 import jls
 import jls.flax
 
 
-def make_flax_variants(loss_fn, params):
-    """Returns {name: (jitted step, initial TrainState)}."""
+def make_flax_variants(loss_fn, params, modes=(False, True)):
+    """Returns {name: (jitted step, initial TrainState)}, each mode's."""
     adam = optax.adam(1e-4)
-    tx = jls.loss_scaling(adam, jls.dynamic_scale(2.0**15, growth_interval=10**6))
-    donate = functools.partial(jax.jit, donate_argnums=(1,))
+    variants = {}
 
     def fresh(cls, tx):
         copy = jax.tree.map(jnp.copy, params)  # donated: one copy per variant
@@ -45,23 +45,31 @@ def make_flax_variants(loss_fn, params):
     # The parameters live in the TrainState: the harness's own copy is not
     # passed to the step (returning it would pair the donated state's buffers
     # with the wrong outputs and make XLA copy them).
-    @donate
     def plain(_, state, batch):
         grads = jax.grad(loss_fn)(state.params, batch)
         return None, state.apply_gradients(grads=grads)
 
-    @donate
     def scaled(_, state, batch):
         def loss(q):
             return jls.scale_loss(loss_fn(q, batch), state.opt_state)
 
         return None, state.apply_gradients(grads=jax.grad(loss)(state.params))
 
-    return {
-        "plain": (plain, fresh(train_state.TrainState, adam)),
-        "jls_tx_update": (scaled, fresh(train_state.TrainState, tx)),
-        "jls_flax_fused": (scaled, fresh(jls.flax.TrainState, tx)),
-    }
+    for donated in modes:
+        scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
+        tx = jls.loss_scaling(adam, scaler, donated=donated)
+        jit = functools.partial(jax.jit, donate_argnums=(1,) if donated else ())
+        suffix = DONATED if donated else ""
+        variants["plain" + suffix] = (jit(plain), fresh(train_state.TrainState, adam))
+        variants["jls_tx_update" + suffix] = (
+            jit(scaled),
+            fresh(train_state.TrainState, tx),
+        )
+        variants["jls_flax_fused" + suffix] = (
+            jit(scaled),
+            fresh(jls.flax.TrainState, tx),
+        )
+    return variants
 
 
 def main(argv=None) -> None:
