@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.lax.lax import _convert_element_type
 
+from jls._finite import varying_of
+
 
 def zero(dtype: Any) -> Any:
     """The zero update of ``dtype``: ``-0.0`` for floats, 0 for others.
@@ -54,23 +56,38 @@ def zero(dtype: Any) -> Any:
     return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
 
 
-def zeros_like(shapes: Any, like: Any) -> Any:
-    """Zero updates of ``shapes``, built from ``like``'s leaves where they match.
+def zeros_like(shapes: Any, *likes: Any) -> Any:
+    """Zero updates of ``shapes``, laid out as the updates are.
 
-    So they carry the same varying axes under ``shard_map`` as the taken
-    branch's updates. (``optax.tree.zeros_like`` makes ``+0.0``.)
+    ``shapes``: the updates themselves (then each zero is a ``full_like`` of
+    its update: the same sharding and varying axes), or their types; then
+    each zero is built from the first leaf of ``likes`` (trees of the same
+    structure: the gradients, the parameters) with the same shape, sharding
+    and varying axes, so it has the updates' layout under explicit sharding
+    and ``shard_map``. (``optax.tree.zeros_like`` makes ``+0.0``.)
     """
-    if jax.tree.structure(shapes) == jax.tree.structure(like):
-        return jax.tree.map(
-            lambda s, x: (
-                jnp.full_like(x, zero(s.dtype), dtype=s.dtype)
-                if getattr(x, "shape", None) == s.shape
-                else jnp.full(s.shape, zero(s.dtype), s.dtype)
-            ),
-            shapes,
-            like,
-        )
-    return jax.tree.map(lambda s: jnp.full(s.shape, zero(s.dtype), s.dtype), shapes)
+    leaves, treedef = jax.tree.flatten(shapes)
+    candidates = [
+        jax.tree.leaves(like) for like in likes if jax.tree.structure(like) == treedef
+    ]
+
+    def zero_of(i: int, s: Any) -> Any:
+        if isinstance(s, jax.Array):
+            return jnp.full_like(s, zero(s.dtype))
+        same_shape = [
+            c[i] for c in candidates if getattr(c[i], "shape", None) == s.shape
+        ]
+        for x in same_shape:
+            t = jax.typeof(x)
+            if getattr(t, "sharding", None) == getattr(s, "sharding", None) and (
+                varying_of(t) == varying_of(s)
+            ):
+                return jnp.full_like(x, zero(s.dtype), dtype=s.dtype)
+        if same_shape:
+            return jnp.full_like(same_shape[0], zero(s.dtype), dtype=s.dtype)
+        return jnp.full(s.shape, zero(s.dtype), s.dtype)
+
+    return treedef.unflatten([zero_of(i, s) for i, s in enumerate(leaves)])
 
 
 def cast_like(tree: Any, like: Any) -> Any:
@@ -96,7 +113,8 @@ def guarded(
 ) -> tuple[Any, Any]:
     """``(step(operands), after(True))`` if ``apply``, else the skip's.
 
-    ``skip(operands, shapes)`` gets ``step``'s output types. ``after(taken)``
+    ``skip(operands, shapes)`` gets ``step``'s output types (`selected`
+    gives it the outputs themselves). ``after(taken)``
     is evaluated inside each branch with ``taken`` a Python constant (the
     scale rule: there the decision is a constant, so it folds to a few
     scalar ops instead of reading the step's flags, which XLA would
@@ -129,7 +147,7 @@ def selected(
     ``after(apply)`` gets the traced decision.
     """
     new = step(operands)
-    old = skip(operands, jax.tree.map(jax.typeof, new))
+    old = skip(operands, new)  # the values: the skip's zeros take their layout
     out = jax.tree.map(lambda n, o: select(apply, n, o), new, old)
     return out, after(apply)
 

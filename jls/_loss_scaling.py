@@ -151,7 +151,9 @@ def loss_scaling(
         count the finite steps where they differ
         (``jls.metrics(...)["replicas_differ"]``, ``["replica_mismatches"]``):
         data-parallel gradients that were not averaged. One small collective
-        per step.
+        per step. The fingerprint is each leaf's first element: a forgotten
+        average changes every element and is caught; a difference confined
+        to other elements is not. Vetoed finite steps count too.
       hooks: further `jls.Hook` objects the step consults (a veto of your
         own, say); the arguments above add the built-in ones.
       donated: whether your jitted step donates the parameters and the

@@ -36,6 +36,7 @@ from jls._finite import (
     exact,
     inexact_leaves,
     is_complex,
+    runs,
     sharded_in_its_type,
     varying_axes,
 )
@@ -143,7 +144,11 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
             small.setdefault((wide, shards), []).append(x)
         else:
             reductions.append(([x], wide, shards))
-    reductions.extend((parts, wide, shards) for (wide, shards), parts in small.items())
+    reductions.extend(
+        (run, wide, shards)
+        for (wide, shards), parts in small.items()
+        for run in runs(parts)
+    )
     f32 = jnp.float32
     if not reductions:
         return Measured(jnp.asarray(True), f32(0), f32(0), f32(0))

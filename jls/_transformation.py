@@ -271,7 +271,8 @@ class LossScaling(Decisions):
             grads, inner_state, params = operands
             if fused:
                 return _cond.cast_like((params, inner_state), out)
-            return _cond.zeros_like(out[0], grads), _cond.cast_like(inner_state, out[1])
+            zeros = _cond.zeros_like(out[0], grads, params)
+            return zeros, _cond.cast_like(inner_state, out[1])
 
         # With skip_nonfinite and no veto, finite == applied: a constant in each
         # branch, so the scale rule folds.

@@ -165,3 +165,51 @@ def test_weakly_typed_state_keeps_its_types_over_a_skipped_step():
     state = tx.init({"b": jnp.full((3,), 0.1)})
     _, after = jax.jit(tx.update)({"b": jnp.full((3,), jnp.nan)}, state)
     assert jax.tree.map(jax.typeof, after) == jax.tree.map(jax.typeof, state)
+
+
+@pytest.mark.parametrize("donated", [False, True])
+def test_skipped_updates_take_the_updates_sharding_not_the_gradients(donated):
+    # Parameters sharded on an explicit mesh, gradients replicated: optax's
+    # updates follow the parameters, and so must the skip's -0.0 zeros (they
+    # took the gradients' sharding, and lax.select / lax.cond refused).
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
+    tx = jls.loss_scaling(optax.adam(0.1), jls.static_scale(4.0), donated=donated)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(jnp.ones((4, 4)), P("d", None))
+        state = tx.init(params)
+        step = jax.jit(tx.update)
+        for value in (1.0, jnp.inf):
+            updates, _ = step(jnp.full((4, 4), value), state, params)
+            assert jax.typeof(updates).sharding.spec == P("d", None)
+    assert np.array_equal(np.asarray(updates), np.full((4, 4), -0.0))
+    assert np.signbit(np.asarray(updates)).all()
+
+
+@pytest.mark.parametrize("donated", [False, True])
+def test_skipped_updates_vary_as_the_updates_do_under_shard_map(donated):
+    # Per-replica parameters, averaged (replicated) gradients: the updates
+    # vary over the axis, the gradients do not; the skip's zeros must vary.
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("batch",))
+    tx = jls.loss_scaling(
+        optax.sgd(0.1), jls.static_scale(4.0), axis_name="batch", donated=donated
+    )
+
+    def body(g, s, p):
+        g, s, p = jax.tree.map(lambda x: x[0], (g, s, p))
+        u, s = tx.update(jax.lax.pmean(g, "batch"), s, p)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(p, u), s))
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+    )
+    rows = jax.sharding.NamedSharding(mesh, P("batch"))
+    put = functools.partial(jax.tree.map, lambda x: jax.device_put(x, rows))
+    state = put(jax.tree.map(lambda x: x[None], tx.init(jnp.ones(3))))
+    params = put(np.ones((1, 3), np.float32))
+    new, _ = step(put(np.full((1, 3), np.inf, np.float32)), state, params)
+    assert np.array_equal(np.asarray(new), np.asarray(params))
