@@ -18,7 +18,17 @@ ROOT = pathlib.Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 import demo  # noqa: E402  # pyright: ignore[reportMissingImports]  (examples/demo.py)
 
-DOCS = [ROOT / "README.md", ROOT / "notebooks" / "README.md"]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "notebooks" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs" / "howto").glob("*.md")),
+]
+
+
+def _all_docs_text() -> str:
+    """The README and every docs page: where a claim may live."""
+    return "\n".join(doc.read_text() for doc in DOCS)
 
 
 def _public(module, names=None):
@@ -51,9 +61,14 @@ def test_relative_links_resolve(doc):
     text = doc.read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
     local = [link for link in links if not re.match(r"[a-z]+://", link)]
-    assert local
+    if doc.name == "README.md":
+        assert local  # the landing pages point into the docs
     for link in local:
-        assert (doc.parent / link).exists(), f"{doc.name} links to missing {link}"
+        target = doc.parent / link
+        if link.endswith(".ipynb") and doc.parent.name in ("docs", "howto"):
+            # The docs build copies notebooks/ into docs/notebooks/.
+            target = ROOT / "notebooks" / pathlib.Path(link).name
+        assert target.exists(), f"{doc.name} links to missing {link}"
 
 
 def test_readme_anchors_exist():
@@ -69,24 +84,24 @@ def test_readme_anchors_exist():
 def test_readme_python_blocks_parse():
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 8
+    assert len(blocks) >= 1
     for block in blocks:
         ast.parse(block)
 
 
-def test_readme_names_every_public_symbol():
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_name_every_public_symbol():
+    text = _all_docs_text()
     missing = [name for name in jls.__all__ if name not in text]
     assert not missing
 
 
-def test_readme_set_up_commands_and_demo_table():
-    text = (ROOT / "README.md").read_text()
-    setup = text[text.index("## Set up") : text.index("## Quickstart")]
-    commands = re.findall(r"```bash\n(.*?)```", setup, flags=re.S)
-    assert len(commands) == 2
-    assert commands[0].strip().endswith("pytest")
-    assert commands[1].strip().endswith("python examples/demo.py")
+def test_readme_test_command_and_the_demo_table():
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install") : readme.index("## Quickstart")]
+    commands = re.findall(r"```bash\n(.*?)```", install, flags=re.S)
+    assert commands[-1].strip().endswith("pytest")  # what CI runs
+    text = _all_docs_text()
+    setup = text[text.index("python examples/demo.py") :]
     # The quoted demo output has the table's exact header and one row per mode.
     header = demo.format_table([]).splitlines()[0]
     table = setup[setup.index(header) :].split("```")[0].splitlines()

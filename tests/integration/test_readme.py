@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jls
@@ -53,40 +52,13 @@ def _block(marker: str) -> int:
 
 
 def test_the_readme_has_its_blocks():
-    assert len(BLOCKS) >= 10
-
-
-# Blocks that read what an earlier block wrote run after it, in the same folder.
-NEEDS = {"jls.upgrade_state(raw": "ckptr.save(path"}
+    assert len(BLOCKS) >= 1
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_block_runs_as_written(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for marker, needed in NEEDS.items():
-        if marker in BLOCKS[index]:
-            _run(_block(needed))
     _run(index)
-
-
-def test_the_checkpoint_block_runs_twice_and_restores_bitwise(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    index = _block("ckptr.save(path")
-    for _ in range(2):
-        ns, _ = _run(index)
-        saved = {"params": ns["params"], "opt_state": ns["opt_state"]}
-        restored = ns["restored"]
-        assert jax.tree.structure(restored) == jax.tree.structure(saved)
-        for a, b in zip(
-            jax.tree.leaves(restored), jax.tree.leaves(saved), strict=False
-        ):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(a, b)
-    ns, _ = _run(_block("jls.upgrade_state(raw"))
-    for a, b in zip(
-        jax.tree.leaves(ns["restored"]), jax.tree.leaves(saved), strict=False
-    ):
-        np.testing.assert_array_equal(a, b)
 
 
 def test_the_quickstart_prints_what_it_says():
@@ -103,27 +75,10 @@ def test_the_quickstart_prints_what_it_says():
     jls.precision_report(ns["compute_loss"], params, ns["batch"]).check(jnp.float16)
 
 
-def test_the_equinox_recipe_computes_in_float16():
-    ns, _ = _run(_block("import equinox"))
-    # The README's own step, traced: every matmul of the forward and
-    # backward pass in float16.
-    report = jls.precision_report(
-        ns["step"], ns["model"], ns["opt_state"], ns["x"], ns["y"]
-    )
-    report.check(jnp.float16)
-
-
-def test_the_spike_block_has_the_metrics_it_names():
-    ns, _ = _run(_block("skip_spikes=jls.SpikeRule"))
-    m = ns["m"]
-    for key in re.findall(r'm\["(\w+)"\]', BLOCKS[_block("skip_spikes=jls.SpikeRule")]):
-        assert key in m, key
-
-
-def test_the_one_call_block_has_the_fields_it_names():
-    index = _block("jls.train_step(loss_fn, tx, has_aux=True")
-    ns, _ = _run(index)
-    out = ns["out"]
-    for field in re.findall(r"out\.(\w+)", BLOCKS[index]):
-        assert hasattr(out, field), field
-    assert not bool(out.skipped) and out.loss.dtype == jnp.float32
+def test_the_readme_is_a_landing_page():
+    # Issue 23: what jls is, install, a quickstart, the tables in short;
+    # the rest lives in docs/.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, len(lines)
+    quickstart = [line for line in BLOCKS[0].splitlines() if line.strip()]
+    assert len(quickstart) <= 25, len(quickstart)
