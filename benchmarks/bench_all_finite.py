@@ -79,7 +79,7 @@ def main(argv=None) -> None:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds")
     parser.add_argument("--mib", type=int, default=100, help="bytes per tree")
     args = parser.parse_args(argv)
     print(

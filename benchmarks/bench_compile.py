@@ -176,8 +176,10 @@ def main(argv=None) -> None:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=["lm", "mlp", "both"], default="both")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--model", choices=["lm", "mlp", "both"], default="both", help="which model(s)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument(
         "--parts", action="store_true", help="also time jls's pieces one by one"
     )

@@ -254,9 +254,20 @@ def main(argv=None) -> list[dict]:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--widths", type=int, nargs="*", default=[8, 16, 32])
-    parser.add_argument("--how", choices=["pmap", "jit", "both"], default="both")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="*",
+        default=[8, 16, 32],
+        help="ResNet18 widths to measure",
+    )
+    parser.add_argument(
+        "--how",
+        choices=["pmap", "jit", "both"],
+        default="both",
+        help="data parallelism: pmap, jit over a sharded batch, or both",
+    )
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)

@@ -339,13 +339,17 @@ def main(argv=None) -> dict:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--cases", default="demo,lm,stress")
+    parser.add_argument(
+        "--cases", default="demo,lm,stress", help="comma-separated cases to run"
+    )
     parser.add_argument("--steps", type=int, default=1500, help="demo and stress")
     parser.add_argument("--margins", default="", help="extra measured margins (log2)")
     parser.add_argument("--only", default="", help="run only these scalers")
     parser.add_argument("--timing", action="store_true")
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds")
+    parser.add_argument(
+        "--json", default=None, help="also write the results to this file"
+    )
     args = parser.parse_args(argv)
     margins = [int(k) for k in args.margins.split(",") if k]
     chosen = scalers(margins)

@@ -107,9 +107,13 @@ def main(argv=None) -> None:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=["lm", "mlp", "both"], default="both")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps-per-sample", type=int, default=2)
+    parser.add_argument(
+        "--model", choices=["lm", "mlp", "both"], default="both", help="which model(s)"
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
+    parser.add_argument(
+        "--steps-per-sample", type=int, default=2, help="steps timed per sample"
+    )
     args = parser.parse_args(argv)
     print(
         f"jax {jax.__version__}, optax {optax.__version__}, "

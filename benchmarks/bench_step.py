@@ -416,9 +416,12 @@ def main(argv=None) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--model", choices=["lm", "mlp", "char", "both", "all"], default="both"
+        "--model",
+        choices=["lm", "mlp", "char", "both", "all"],
+        default="both",
+        help="which model(s)",
     )
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds")
     parser.add_argument(
         "--steps-per-sample", type=int, default=2, help="steps timed per sample"
     )

@@ -165,8 +165,13 @@ def main(argv=None) -> list[dict]:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--max-params", type=int, default=2**27)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument(
+        "--max-params",
+        type=int,
+        default=2**27,
+        help="largest parameter count of the size sweep",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--plot", help="write a PNG plot to this file")
     args = parser.parse_args(argv)

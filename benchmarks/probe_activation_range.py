@@ -12,6 +12,7 @@ Run: ``python benchmarks/probe_activation_range.py``. Not part of jls: a
 probe needs the model changed and a max reduction per activation.
 """
 
+import argparse
 import pathlib
 import sys
 
@@ -56,7 +57,14 @@ def forward(params, x, dtype, slots):
     return h.astype(jnp.float32)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    """Trains with the probes and prints the activation-gradient range."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=1500, help="float16 steps")
+    args = parser.parse_args(argv)
     x, y, _, _ = demo.load_digits(0)
     x, y = jnp.asarray(x), jnp.asarray(y)
     params = mlp.init_params(jax.random.key(0), [x.shape[1], *[128] * 6, 10])
@@ -78,7 +86,7 @@ def main() -> None:
         return params, state, d.magnitude, jnp.max(amax), d.finite
 
     ratios = []
-    for _ in range(1500):
+    for _ in range(args.steps):
         params, state, m, a, fin = step(params, state)
         if bool(fin) and float(m) > 0:
             ratios.append(float(a) / float(m))

@@ -220,7 +220,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--precision", choices=list(DTYPES), default="float16")
+    parser.add_argument(
+        "--precision",
+        choices=list(DTYPES),
+        default="float16",
+        help="compute dtype of the model",
+    )
     parser.add_argument("--width", type=int, default=16, help="ResNet18's filters")
     parser.add_argument("--steps", type=int, default=60, help="train steps")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch")
