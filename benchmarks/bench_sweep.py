@@ -143,6 +143,7 @@ def plot(results: list[dict], path: str) -> None:
         ),
     ]
     for ax, (rows, field, label) in zip(axes, sweeps, strict=True):
+        rows = sorted(rows, key=lambda r, field=field: r[field])
         xs = [r[field] / (2**20 if field == "params" else 1) for r in rows]
         for key in rows[0]["variants"] if rows else []:
             if key.startswith("plain"):
@@ -174,7 +175,15 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--plot", help="write a PNG plot to this file")
+    parser.add_argument(
+        "--replot", help="only plot this JSON output of an earlier run (to --plot)"
+    )
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            results = json.load(f)
+        plot(results, args.plot or "sweep.png")
+        return results
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"{platform.processor() or platform.machine()}"
