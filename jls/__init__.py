@@ -13,6 +13,7 @@ import warnings
 
 from jls import presets
 from jls._checkpoint import upgrade_state
+from jls._compensated import compensated, stochastic_rounding
 from jls._diagnostics import nonfinite_paths
 from jls._divergence import DivergenceError, raise_if_diverged
 from jls._dynamic import dynamic_scale
@@ -44,6 +45,7 @@ __all__ = [
     "SpikeRule",
     "all_finite",
     "apply_gradients",
+    "compensated",
     "dynamic_scale",
     "get_policy",
     "loss_scale_state",
@@ -58,6 +60,7 @@ __all__ = [
     "scale_loss",
     "set_loss_scale",
     "static_scale",
+    "stochastic_rounding",
     "train_step",
     "unscale",
     "upgrade_state",

@@ -129,6 +129,34 @@ class Decisions:
                 held = held | v
         return vetoed, held
 
+    def _gradient_factor(self, state: WrapperState, info: StepInfo) -> Any:
+        """The product of the hooks' `Hook.gradient_factor` values, or ``None``.
+
+        Checked at trace time: each a floating scalar. A factor that is not
+        finite or not in ``[0, 1]`` would poison or blow up the update: it
+        reads as 1 (no shrink). The replicas take the smallest.
+        """
+        factor = None
+        for h in self.hooks:
+            f = h.gradient_factor(state.hooks[h.name], info)
+            if f is None:
+                continue
+            f = jnp.asarray(f)
+            if f.shape != () or not jnp.issubdtype(f.dtype, jnp.floating):
+                raise TypeError(
+                    f"hook {h.name!r}: gradient_factor must return a floating "
+                    f"scalar or None, got dtype {f.dtype} and shape {f.shape}"
+                )
+            f = f.astype(jnp.float32)
+            f = jnp.where((f >= 0) & (f <= 1), f, jnp.float32(1))
+            factor = f if factor is None else factor * f
+        if factor is None:
+            return None
+        # Every replica applies the same update: the smallest factor.
+        named = self.axis_name
+        axes = named + tuple(sorted(varying_axes(factor) - set(named)))
+        return lax.pmin(factor, axes) if axes else factor
+
     def _pop_loss(self, extra_args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """``loss=`` for the hooks that watch it, taken out of the inner's args.
 

@@ -10,9 +10,11 @@ only through this class, so adding one never grows it. A step, inside
    norm if a hook asked for it); every replica agrees.
 2. Each hook's `Hook.veto` may skip the step (a spike, a loss above a limit);
    the vetoes are agreed across replicas in one collective. A hook whose
-   veto ``holds_scale`` also leaves the scale rule where it was.
-3. The update is applied or skipped (one ``lax.cond``), and the scale rule
-   advances.
+   veto ``holds_scale`` also leaves the scale rule where it was. Each hook's
+   `Hook.gradient_factor` may shrink the step instead (clipping a spike): a
+   scalar the unscaled gradients are multiplied by, in the same pass that
+   unscales them.
+3. The update is applied or skipped, and the scale rule advances.
 4. Each hook's `Hook.update` records what it keeps (statistics, flags).
 
 A user's own veto, in a few lines::
@@ -162,6 +164,18 @@ class Hook:
 
     def veto(self, state: Any, info: StepInfo) -> jax.Array | None:
         """A scalar bool: skip this step. ``None``: no opinion."""
+        del state, info
+        return None
+
+    def gradient_factor(self, state: Any, info: StepInfo) -> jax.Array | None:
+        """A float32 scalar in ``[0, 1]`` the unscaled gradients are multiplied by.
+
+        ``None`` (the default): no opinion. The step multiplies the factors
+        of every hook into the unscaling, so shrinking the gradients (a
+        clipped spike) costs no pass over them. Compute it from values every
+        replica agrees on (``info.norm``, ``info.loss``, the hook's own state)
+        so that every replica applies the same update.
+        """
         del state, info
         return None
 

@@ -79,11 +79,16 @@ def reciprocals(scale: jax.Array, tree: Any, *, two_factor: bool = True) -> Fact
     return factors
 
 
-def unscale_leaf(leaf: Any, factors: Factors) -> Any:
+def unscale_leaf(leaf: Any, factors: Factors, shrink: Any = None) -> Any:
     """``leaf * (1 / scale)`` computed in at least float32, in ``leaf``'s dtype.
 
-    ``factors`` comes from `reciprocals`. Non-floating leaves (integers,
-    bools, float0, None) pass through.
+    ``factors`` comes from `reciprocals` (empty: the scale is 1). ``shrink``,
+    a float32 scalar in ``[0, 1]`` (a clipped spike's ``limit / norm``), is
+    multiplied into the last factor, so a shrink of 1 changes no bit. The
+    product stays a normal float32 unless ``scale / shrink`` passes 2**126
+    (with one factor) or ``shrink`` is below 2**-62 at a scale above 2**64
+    (with two); then the step's gradients flush to zero.
+    Non-floating leaves (integers, bools, float0, None) pass through.
     """
     if leaf is None:
         return leaf
@@ -95,8 +100,22 @@ def unscale_leaf(leaf: Any, factors: Factors) -> Any:
         dtype = leaf.dtype
         if not jnp.issubdtype(dtype, jnp.inexact):
             return leaf
-    a, b = factors[compute_dtype(dtype)]
-    wide = leaf.astype(a.dtype) * a
+    wide_dtype = compute_dtype(dtype)
+    wide = leaf.astype(wide_dtype)
+    if not factors:  # the scale is 1: only a shrink
+        if shrink is None:
+            return leaf
+        return (wide * shrink.astype(wide_dtype)).astype(dtype)
+    a, b = factors[wide_dtype]
+    if shrink is not None:
+        # Into the last (scalar) factor: the per-element arithmetic is the
+        # same as without a shrink, so a shrink of 1 changes no bit even where
+        # the compiler contracts the update into FMAs.
+        if b is None:
+            a = a * shrink.astype(a.dtype)
+        else:
+            b = b * shrink.astype(b.dtype)
+    wide = wide * a
     return (wide if b is None else wide * b).astype(dtype)
 
 

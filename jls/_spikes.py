@@ -1,4 +1,4 @@
-"""Skipping steps whose gradient norm or loss spikes.
+"""Skipping (or clipping) steps whose gradient norm or loss spikes.
 
 LLM trainers drop a step whose loss or gradient norm is an outlier against
 its recent history (MaxText's ``skip_step_on_spikes``, OLMo-core's
@@ -7,6 +7,7 @@ pass, so the rule costs a few scalar operations per step. It is a veto on
 top of the scaler's decision: a spike is dropped like a non-finite step
 (counted in ``total_skips``, nothing changes), but the scaler sees finite
 gradients, so the scale does not back off.
+``action="clip"`` applies it shrunk instead (ZClip, arXiv 2504.02507).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jls._tree import plain
 from jls._validate import F32_MAX, integer, positive_f32, real
 
 _WATCHED = ("norm", "loss", "both")
+_ACTIONS = ("skip", "clip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,11 @@ class SpikeRule(Hook):
     finite is the finite check's business, never a spike (with
     ``skip_nonfinite=False`` it is applied like any such step).
 
+    With ``action="clip"`` a spike is applied with its gradients multiplied
+    by ``limit / norm`` (``limit = mean + threshold * std``; the factor is
+    agreed and multiplied into the unscaling, no second pass), and the
+    statistics are fed ``limit`` (ZClip). The spike counters count clips.
+
     The rule always recovers: a run of ``patience`` spikes in a row means
     the level has moved (a loss weighted 0 during warm-up, a new phase of
     training), and the statistics restart: the next ``warmup`` steps are
@@ -55,6 +62,8 @@ class SpikeRule(Hook):
         loss needs ``loss=`` (the unscaled loss, a scalar) on every step.
         With ``axis_name``, the replicas' mean loss is watched.
       patience: spikes in a row after which the statistics restart, ``>= 1``.
+      action: ``"skip"`` (default) drops a spike; ``"clip"`` applies it
+        clipped to ``limit`` (needs ``watch="norm"``).
 
     Example:
       >>> import jls
@@ -71,6 +80,7 @@ class SpikeRule(Hook):
     window: int = 100
     watch: str = "norm"
     patience: int = 25
+    action: str = "skip"
 
     def __post_init__(self) -> None:
         threshold = real("threshold", self.threshold)
@@ -84,6 +94,14 @@ class SpikeRule(Hook):
         object.__setattr__(self, "patience", integer("patience", self.patience, 1))
         if self.watch not in _WATCHED:
             raise ValueError(f"watch must be one of {_WATCHED}, got {self.watch!r}")
+        if self.action not in _ACTIONS:
+            raise ValueError(f"action must be one of {_ACTIONS}, got {self.action!r}")
+        if self.action == "clip" and self.watch != "norm":
+            raise ValueError(
+                f"action='clip' clips the gradient norm, so it needs watch='norm', "
+                f"got watch={self.watch!r}; to act on loss spikes use "
+                "action='skip'"
+            )
 
     name = "spikes"
 
@@ -112,19 +130,47 @@ class SpikeRule(Hook):
         del params
         return init()
 
+    @property
+    def clips(self) -> bool:
+        """Whether a spike is clipped (applied shrunk) rather than skipped."""
+        return self.action == "clip"
+
     def veto(self, state: Any, info: StepInfo) -> jax.Array:
-        """Whether this step is a spike (see `is_spike`)."""
-        return is_spike(self, state, info.norm, info.loss)
+        """Whether to skip this step: a spike (`is_spike`).
+
+        Clipping, only a spike float32 cannot clip (a norm past float32's
+        range, or ``limit / norm / scale`` below the smallest normal).
+        """
+        spike = is_spike(self, state, info.norm, info.loss, info.finite)
+        if not self.clips:
+            return spike
+        factor = clip_factor(self, state, info.norm, info.finite)
+        tiny = jnp.float32(np.finfo(np.float32).tiny)
+        carried = (factor == 0) | (factor / info.scale >= tiny)
+        return spike & ~(jnp.isfinite(jnp.asarray(info.norm)) & carried)
+
+    def gradient_factor(self, state: Any, info: StepInfo) -> jax.Array | None:
+        """``limit / norm`` on a spike, else 1 (clipping); ``None`` when skipping."""
+        if not self.clips:
+            return None
+        return clip_factor(self, state, info.norm, info.finite)
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> SpikeState:
         """The statistics after the step (see `advance`)."""
         assert info.applied is not None
+        norm = info.norm
+        if self.clips:
+            # A clipped step is a spike that was applied, with norm ``limit``.
+            spike = is_spike(self, state, norm, None, info.finite)
+            clipped = spike & info.applied
+            norm = jnp.where(clipped, limit(self, state), jnp.asarray(norm))
+            vetoed = clipped | vetoed
         return advance(
             self,
             state,
             applied=info.applied,
             spike=vetoed,
-            norm=info.norm,
+            norm=norm,
             loss=info.loss,
         )
 
@@ -194,6 +240,7 @@ def sanitized(state: SpikeState) -> SpikeState:
     ok = state.count >= 0
     for x in (state.norm_mean, state.loss_mean):
         ok = ok & jnp.isfinite(x)
+    ok = ok & (state.norm_mean >= 0)  # a mean of norms
     for x in (state.norm_var, state.loss_var):
         ok = ok & jnp.isfinite(x) & (x >= 0)
     fresh = _restarted(state)
@@ -205,44 +252,52 @@ def sanitized(state: SpikeState) -> SpikeState:
     )
 
 
-def check_loss(rule: SpikeRule, loss: Any) -> jax.Array | None:
-    """The ``loss=`` argument as a float32 scalar; a ``TypeError`` if missing."""
-    if loss is None:
-        if rule.watches_loss:
-            raise TypeError(
-                f"SpikeRule(watch={rule.watch!r}) needs the step's loss: pass "
-                "loss=<the unscaled loss> to update / apply_gradients"
-            )
-        return None
-    loss = jnp.asarray(loss)
-    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(
-            f"loss must be a floating scalar, got dtype {loss.dtype} and shape "
-            f"{loss.shape}"
-        )
-    return loss.astype(jnp.float32)
+def _bound(rule: SpikeRule, mean: jax.Array, var: jax.Array) -> jax.Array:
+    return mean + jnp.float32(rule.threshold) * jnp.sqrt(var)
 
 
 def _outlier(
     rule: SpikeRule, x: jax.Array, mean: jax.Array, var: jax.Array
 ) -> jax.Array:
-    return x > mean + jnp.float32(rule.threshold) * jnp.sqrt(var)
+    return x > _bound(rule, mean, var)
 
 
-def is_spike(rule: SpikeRule, state: SpikeState, norm: Any, loss: Any) -> jax.Array:
+def limit(rule: SpikeRule, state: SpikeState) -> jax.Array:
+    """The largest norm that is no spike, in ``[0, float32 max]`` (`sanitized`)."""
+    state = sanitized(state)
+    bound = _bound(rule, state.norm_mean, state.norm_var)
+    return jnp.clip(bound, jnp.float32(0), jnp.float32(F32_MAX))
+
+
+def clip_factor(
+    rule: SpikeRule, state: SpikeState, norm: Any, finite: Any = None
+) -> jax.Array:
+    """``limit / norm`` in ``[0, 1)`` on a spike (0 past float32's range); else 1."""
+    spike = is_spike(rule, state, norm, None, finite)
+    safe = jnp.where(spike, norm, jnp.float32(1))
+    return jnp.where(spike, jnp.minimum(limit(rule, state) / safe, 1), 1).astype(
+        jnp.float32
+    )
+
+
+def is_spike(
+    rule: SpikeRule, state: SpikeState, norm: Any, loss: Any, finite: Any = None
+) -> jax.Array:
     """Whether this step is a spike.
 
     An outlier once ``warmup`` applied steps fed the statistics. A
     non-finite norm is the finite check's business and a non-finite loss the
     `jls._nonfinite_loss` hook's (it skips the step and holds the scale),
-    not spikes.
+    not spikes, unless the check found the gradients finite (``finite``):
+    then their norm passed the float32 maximum, and that is a spike.
     ``state`` is `sanitized` first.
     """
     state = sanitized(state)
     spike = jnp.asarray(False)
     if rule.watches_norm:
         outlier = _outlier(rule, norm, state.norm_mean, state.norm_var)
-        spike = spike | (outlier & jnp.isfinite(norm))
+        measured = jnp.isfinite(norm) if finite is None else jnp.isfinite(norm) | finite
+        spike = spike | (outlier & measured)
     if rule.watches_loss:
         spike = spike | _outlier(rule, loss, state.loss_mean, state.loss_var)
     return (state.count >= jnp.int32(rule.warmup)) & spike

@@ -12,7 +12,8 @@ step, inside ``jit``:
    the gradients' range or norm). A scale outside the rule's range counts as
    non-finite. Every replica agrees (``pmin`` over ``axis_name`` and any
    ``shard_map`` axis the gradients vary over).
-2. The hooks' vetoes (`jls.Hook`), agreed the same way in one collective.
+2. The hooks' vetoes (`jls.Hook`), agreed the same way in one collective,
+   and their gradient factors (a clipped spike), folded into the unscaling.
 3. The skip (`jls._cond`): the applying computation unscales the gradients
    (a multiplication by the reciprocal scale, which XLA fuses into the
    optimizer's elementwise update), runs the inner optimizer and, on the
@@ -251,6 +252,7 @@ class LossScaling(Decisions):
         if not self.scaler.is_identity:
             two = self.scaler.two_factor
             factors = reciprocals(state.loss_scale.scale, grads, two_factor=two)
+        shrink = self._gradient_factor(state, info)
         rest = frozen = None
         if fused:
             params, rest = split_inexact(params)  # a whole model: the rest passes by
@@ -258,8 +260,8 @@ class LossScaling(Decisions):
 
         def taken(operands):
             grads, inner_state, params = operands
-            if factors:  # none: the scale is 1 forever
-                grads = jax.tree.map(lambda g: unscale_leaf(g, factors), grads)
+            if factors or shrink is not None:  # no factors: the scale is 1 forever
+                grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
             updates, inner_state = self.inner.update(
                 grads, inner_state, params, **extra_args
             )

@@ -36,7 +36,7 @@ LAYERS = [
         "jls._replicas",
     ],
     ["jls._builtins", "jls._inner", "jls._cond", "jls._off"],
-    ["jls._decision"],
+    ["jls._decision", "jls._compensated"],
     ["jls._transformation"],
     ["jls._loss_scaling"],
     ["jls._set_scale", "jls._checkpoint", "jls._step"],

@@ -1,0 +1,170 @@
+"""Parameters in bfloat16 without a float32 copy, on the char LM.
+
+``examples/char_lm.py``'s model trained with Adam and low-precision compute,
+the parameters (and Adam's moments) kept:
+
+- ``f32-master``: in float32 (the usual mixed precision: a float32 copy);
+- ``bf16``: in bfloat16, plain (small updates round away);
+- ``bf16-kahan``: in bfloat16, ``jls.compensated(adam)`` (a bfloat16
+  compensation buffer);
+- ``bf16-sr``: in bfloat16, ``jls.stochastic_rounding(adam)``.
+
+Every run is wrapped in ``jls.loss_scaling(..., jls.no_scale())``
+(skip-on-nan). It reports, per seed, the training loss (the mean of
+the last 5% of steps), the held-out loss in float32, and the bytes of the
+parameters plus the optimizer state. Run:
+``python benchmarks/low_precision_params.py --seeds 3``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jls
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _char_lm():
+    spec = importlib.util.spec_from_file_location(
+        "char_lm", ROOT / "examples" / "char_lm.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["char_lm"] = module  # its dataclasses look themselves up
+    spec.loader.exec_module(module)
+    return module
+
+
+# variant: (parameter dtype, compute mode of char_lm, wrapper, scaler)
+VARIANTS = {
+    "f32-master": ("float32", "bf16", None, "none"),
+    "bf16": ("bfloat16", "bf16", None, "none"),
+    "bf16-kahan": ("bfloat16", "bf16", "kahan", "none"),
+    "bf16-sr": ("bfloat16", "bf16", "sr", "none"),
+}
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def run(name: str, spec: tuple, seed: int, args, lm, text) -> dict:
+    dtype, mode, wrap, scaler = spec
+    cfg = dataclasses.replace(lm.Config(), steps=args.steps, seed=seed)
+    cut = int(len(text) * 0.9)
+    data, held_out = text[:cut], text[cut:]
+    loss_fn = lm.make_loss(cfg, mode)
+    params = jax.tree.map(
+        lambda x: x.astype(dtype), lm.init_params(jax.random.key(seed), cfg)
+    )
+    inner = optax.adam(cfg.lr)
+    if wrap == "kahan":
+        inner = jls.compensated(inner)
+    elif wrap == "sr":
+        inner = jls.stochastic_rounding(inner, seed=seed)
+    tx = jls.loss_scaling(
+        inner, jls.dynamic_scale() if scaler == "dynamic" else jls.no_scale()
+    )
+    opt_state = tx.init(params)
+    memory = _bytes(params) + _bytes(opt_state.inner_state)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, tokens):
+        def scaled(p):
+            loss = loss_fn(p, tokens)
+            return jls.scale_loss(loss, opt_state), loss
+
+        grads, loss = jax.grad(scaled, has_aux=True)(params)
+        params, opt_state = jls.apply_gradients(tx, grads, opt_state, params)
+        return params, opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    batch_at = rng.integers(0, len(data) - cfg.seq - 1, (cfg.steps, cfg.batch))
+    windows = np.arange(cfg.seq + 1)
+    losses = []
+    for i in range(cfg.steps):
+        tokens = jnp.asarray(data[batch_at[i][:, None] + windows], jnp.int32)
+        params, opt_state, loss = step(params, opt_state, tokens)
+        losses.append(float(loss))
+    f32_loss = jax.jit(lm.make_loss(cfg, "f32"))
+    held = np.random.default_rng(1234).integers(
+        0, len(held_out) - cfg.seq - 1, (8, cfg.batch)
+    )
+    wide = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    evals = [
+        float(f32_loss(wide, jnp.asarray(held_out[h[:, None] + windows], jnp.int32)))
+        for h in held
+    ]
+    tail = max(1, cfg.steps // 20)
+    return {
+        "variant": name,
+        "seed": seed,
+        "train_loss": float(np.mean(losses[-tail:])),
+        "held_out_loss": float(np.mean(evals)),
+        "bytes": memory,
+        "losses": losses,
+    }
+
+
+def table(rows: list[dict], names: list[str]) -> str:
+    lines = [
+        "| variant | train loss (mean, min-max over seeds) | held-out loss | "
+        "params + optimizer state (MB) |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for v in names:
+        rs = [r for r in rows if r["variant"] == v]
+        tr = [r["train_loss"] for r in rs]
+        ho = [r["held_out_loss"] for r in rs]
+        lines.append(
+            f"| {v} | {np.mean(tr):.3f} ({min(tr):.3f}-{max(tr):.3f}) | "
+            f"{np.mean(ho):.3f} ({min(ho):.3f}-{max(ho):.3f}) | "
+            f"{rs[0]['bytes'] / 1e6:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..n-1")
+    parser.add_argument("--steps", type=int, default=300, help="steps per run")
+    parser.add_argument("--json", default="", help="write every row here")
+    args = parser.parse_args(argv)
+    variants = VARIANTS
+    lm = _char_lm()
+    text = lm.load_text(lm.Config().text_bytes)
+    rows = []
+    for seed in range(args.seeds):
+        for name, spec in variants.items():
+            rows.append(run(name, spec, seed, args, lm, text))
+            r = rows[-1]
+            print(
+                f"seed {seed} {name:12s} train {r['train_loss']:.3f} held-out "
+                f"{r['held_out_loss']:.3f} bytes {r['bytes']}",
+                flush=True,
+            )
+    print(table(rows, list(variants)))
+    if args.json:
+        pathlib.Path(args.json).write_text(
+            json.dumps({"args": vars(args), "rows": rows})
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Low-precision parameters: `jls.compensated` and `jls.stochastic_rounding`."""
+
+# pyright: reportIndexIssue=false, reportAttributeAccessIssue=false
+# pyright: reportArgumentType=false, reportOperatorIssue=false
+# pyright: reportCallIssue=false
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jls
+
+NARROW = [jnp.bfloat16, jnp.float16]
+
+
+def _given():
+    return optax.sgd(-1.0)  # update == gradient
+
+
+@given(
+    dtype=st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32]),
+    gap=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_apply_updates_lands_exactly_on_the_compensated_value(dtype, gap, seed):
+    # p in [1, 2) * 2**e; the update 2**-gap times smaller, either sign; a
+    # compensation already in the buffer. Reference: numpy, float32 sums.
+    rng = np.random.default_rng(seed)
+    p = (rng.uniform(1, 2, 64) * 2.0 ** rng.integers(-8, 8, 64)).astype(dtype)
+    u = (p.astype(np.float32) * rng.uniform(-1, 1, 64) * 2.0**-gap).astype(np.float32)
+    c = (u * rng.uniform(-0.5, 0.5, 64)).astype(dtype)
+    tx = jls.compensated(_given())
+    state = tx.init(jnp.asarray(p))._replace(compensation=jnp.asarray(c))
+    step, state = jax.jit(tx.update)(jnp.asarray(u), state, jnp.asarray(p))
+    new = optax.apply_updates(jnp.asarray(p), step)
+    y = u + c.astype(np.float32)
+    want = (p.astype(np.float32) + y).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(new), want)
+    assert new.dtype == dtype
+    lost = (y - (want.astype(np.float32) - p.astype(np.float32))).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(state.compensation), lost)
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+def test_small_updates_accumulate_instead_of_vanishing(dtype):
+    p0 = jnp.full(8, 1.0, dtype)
+    lr, steps = 1e-4, 500  # each update far below half of 1's last place
+    exact = 1.0 - lr * steps
+    results = {}
+    for name, tx in [
+        ("plain", optax.sgd(lr)),
+        ("kahan", jls.compensated(optax.sgd(lr))),
+        ("sr", jls.stochastic_rounding(optax.sgd(lr))),
+    ]:
+        p, s = p0, tx.init(p0)
+        update = jax.jit(tx.update)
+        for _ in range(steps):
+            u, s = update(jnp.ones(8, dtype), s, p)
+            p = optax.apply_updates(p, u)
+        results[name] = np.asarray(p, np.float64)
+    ulp = float(jnp.finfo(dtype).eps)  # the spacing just below 1 is eps / 2
+    assert np.all(results["plain"] == 1.0)  # every update rounded away
+    assert np.all(np.abs(results["kahan"] - exact) <= ulp / 2)
+    # Stochastic rounding is unbiased: the mean of 8 walks is close.
+    assert abs(results["sr"].mean() - exact) < 4 * ulp
+
+
+@pytest.mark.parametrize("wrap", [jls.compensated, jls.stochastic_rounding])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_step_leaves_the_buffer_and_count_unchanged(wrap, fused):
+    params = {"w": jnp.full((4, 4), 1.0, jnp.bfloat16), "b": jnp.ones(4, jnp.float32)}
+    tx = jls.loss_scaling(wrap(optax.adam(1e-3)), jls.dynamic_scale(2.0**8))
+
+    def step(g, s, p):
+        if fused:
+            return jls.apply_gradients(tx, g, s, p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step)
+    state = tx.init(params)
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 0.3 * 2**8, x.dtype), params)
+    for _ in range(3):
+        params, state = step(g, state, params)
+    bad = {"w": g["w"].at[0, 0].set(jnp.inf), "b": g["b"]}
+    new_params, new_state = step(bad, state, params)
+    assert bool(jls.metrics(new_state)["skipped"])
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+
+
+def test_the_fused_path_matches_tx_update():
+    params = {"w": jnp.full((8, 8), 1.0, jnp.bfloat16), "b": jnp.ones(8, jnp.float16)}
+    rng = np.random.default_rng(0)
+    grads = [
+        jax.tree.map(
+            lambda x: jnp.asarray(rng.normal(size=x.shape) * 2**8, x.dtype), params
+        )
+        for _ in range(5)
+    ]
+    out = {}
+    for fused in (False, True):
+        tx = jls.loss_scaling(jls.compensated(optax.sgd(1e-3)), jls.static_scale(2**8))
+        p, s = params, tx.init(params)
+        fused_step = jax.jit(lambda g, s, p, tx=tx: jls.apply_gradients(tx, g, s, p))
+        for g in grads:
+            if fused:
+                p, s = fused_step(g, s, p)
+            else:
+                u, s = jax.jit(tx.update)(g, s, p)
+                p = optax.apply_updates(p, u)
+        out[fused] = (p, s.inner_state)
+    chex.assert_trees_all_equal(out[False], out[True])
+
+
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
+    x = jnp.asarray(np.linspace(1.0, 2.0, 101, dtype=np.float32)[1:-1])
+    keys = jax.random.split(jax.random.key(0), 4000)
+    rounded = jls._compensated.round_stochastically
+    draws = jax.vmap(lambda k: rounded(x, jnp.bfloat16, k))(keys)
+    # The neighbours, from the bits: bfloat16 is float32's top 16 bits.
+    bits = np.asarray(x).view(np.uint32) & np.uint32(0xFFFF0000)
+    lo = bits.view(np.float32).astype(ml_dtypes.bfloat16)  # x > 0: toward 0
+    hi = (bits + np.uint32(0x10000)).view(np.float32).astype(ml_dtypes.bfloat16)
+    d = np.asarray(draws)
+    assert np.all((d == lo) | (d == hi))
+    mean = d.astype(np.float64).mean(0)
+    spacing = hi.astype(np.float64) - lo.astype(np.float64)
+    # The mean of 4000 draws is within 4 standard errors of x.
+    assert np.all(np.abs(mean - np.asarray(x, np.float64)) <= 4 * spacing / 2 / 63)
+    # A value bfloat16 holds is kept; inf and nan pass through.
+    exact = jnp.asarray([1.0, 1.5, -3.0, np.inf, -np.inf, np.nan], jnp.float32)
+    got = jls._compensated.round_stochastically(exact, jnp.bfloat16, keys[0])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(exact))
+
+
+def test_stochastic_rounding_is_reproducible_and_keyed():
+    params = jnp.full(256, 1.0, jnp.bfloat16)
+    g = jnp.full(256, 1.0, jnp.bfloat16)
+
+    def run(tx, **kw):
+        s = tx.init(params)
+        p = params
+        for _ in range(3):
+            u, s = jax.jit(tx.update)(g, s, p, **kw)
+            p = optax.apply_updates(p, u)
+        return p
+
+    a = run(jls.stochastic_rounding(optax.sgd(1e-3)))
+    b = run(jls.stochastic_rounding(optax.sgd(1e-3)))
+    c = run(jls.stochastic_rounding(optax.sgd(1e-3), seed=1))
+    d = run(jls.stochastic_rounding(optax.sgd(1e-3)), key=jax.random.key(7))
+    chex.assert_trees_all_equal(a, b)
+    assert not np.array_equal(np.asarray(a), np.asarray(c))
+    assert not np.array_equal(np.asarray(a), np.asarray(d))
+
+
+def test_float32_parameters_are_updated_as_the_inner_says():
+    params = {"w": jnp.ones(4, jnp.float32)}
+    tx = jls.stochastic_rounding(optax.sgd(0.1))
+    u, _ = tx.update({"w": jnp.full(4, 0.3)}, tx.init(params), params)
+    sgd = optax.sgd(0.1)
+    want, _ = sgd.update({"w": jnp.full(4, 0.3)}, sgd.init(params), params)
+    chex.assert_trees_all_equal(u, want)
+
+
+def test_one_trace_per_step():
+    traces = []
+    params = jnp.ones(16, jnp.bfloat16)
+    inner = jls.stochastic_rounding(jls.compensated(optax.adam(1e-3)))
+    tx = jls.loss_scaling(inner, jls.no_scale())
+
+    @jax.jit
+    def step(g, s, p):
+        traces.append(1)
+        return jls.apply_gradients(tx, g, s, p)
+
+    s = tx.init(params)
+    for _ in range(5):
+        params, s = step(jnp.ones(16, jnp.bfloat16), s, params)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("wrap", [jls.compensated, jls.stochastic_rounding])
+def test_the_parameters_are_required(wrap):
+    tx = wrap(optax.sgd(0.1))
+    params = jnp.ones(2, jnp.bfloat16)
+    with pytest.raises(TypeError, match="needs the parameters"):
+        tx.update(params, tx.init(params))
