@@ -13,7 +13,8 @@ Every run is wrapped in ``jls.loss_scaling(..., jls.no_scale())``
 (skip-on-nan). It reports, per seed, the training loss (the mean of
 the last 5% of steps), the held-out loss in float32, and the bytes of the
 parameters plus the optimizer state. Run:
-``python benchmarks/low_precision_params.py --seeds 3``.
+``python benchmarks/low_precision_params.py --seeds 3``; ``--compiled``
+prints the kernels and temporaries of each fused step instead.
 """
 
 from __future__ import annotations
@@ -118,6 +119,28 @@ def run(name: str, spec: tuple, seed: int, args, lm, text) -> dict:
     }
 
 
+def compiled_cost() -> dict:
+    """Kernels and temporaries of the fused step on a 256x256 + 256 bfloat16 model."""
+    import re
+
+    params = {"w": jnp.ones((256, 256), jnp.bfloat16), "b": jnp.ones(256, jnp.bfloat16)}
+    out = {}
+    for name, inner in [
+        ("adam", optax.adam(1e-3)),
+        ("compensated(adam)", jls.compensated(optax.adam(1e-3))),
+        ("stochastic_rounding(adam)", jls.stochastic_rounding(optax.adam(1e-3))),
+    ]:
+        tx = jls.loss_scaling(inner, jls.no_scale())
+        step = jax.jit(lambda g, s, p, tx=tx: jls.apply_gradients(tx, g, s, p))
+        compiled = step.lower(params, tx.init(params), params).compile()
+        entry = compiled.as_text().split("ENTRY", 1)[1]
+        out[name] = {
+            "kernels": len(re.findall(r"= \S+ fusion\(", entry)),
+            "temp_mb": compiled.memory_analysis().temp_size_in_bytes / 1e6,
+        }
+    return out
+
+
 def table(rows: list[dict], names: list[str]) -> str:
     lines = [
         "| variant | train loss (mean, min-max over seeds) | held-out loss | "
@@ -144,7 +167,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..n-1")
     parser.add_argument("--steps", type=int, default=300, help="steps per run")
     parser.add_argument("--json", default="", help="write every row here")
+    parser.add_argument(
+        "--compiled", action="store_true", help="only the compiled step's cost"
+    )
     args = parser.parse_args(argv)
+    if args.compiled:
+        for name, cost in compiled_cost().items():
+            print(f"{name:28s} {cost['kernels']:3d} kernels, {cost['temp_mb']:.2f} MB")
+        return []
     variants = VARIANTS
     lm = _char_lm()
     text = lm.load_text(lm.Config().text_bytes)

@@ -11,6 +11,7 @@ from jls._hooks import Hook
 from jls._nonfinite_loss import NonfiniteLoss
 from jls._norm import GradientNorm
 from jls._replicas import ReplicaCheck
+from jls._scale_stats import ScaleStats
 from jls._spikes import SpikeRule
 from jls._validate import flag
 
@@ -22,6 +23,7 @@ def builtin_hooks(
     skip_spikes: Any,
     skip_nonfinite: bool = True,
     check_replicas: tuple[Any, tuple[str, ...]] = (False, ()),
+    scale_stats: Any = False,
 ) -> list[Hook]:
     """The hooks the keyword arguments of `loss_scaling` stand for.
 
@@ -54,6 +56,10 @@ def builtin_hooks(
                 "are global and there is nothing to compare)"
             )
         hooks.append(ReplicaCheck())
+    if scale_stats is True:
+        hooks.append(ScaleStats())
+    elif scale_stats is not False and scale_stats is not None:
+        hooks.append(ScaleStats(scale_stats))  # a dtype, checked there
     return hooks
 
 
@@ -65,6 +71,7 @@ def all_hooks(
     skip_spikes: Any,
     skip_nonfinite: bool = True,
     check_replicas: tuple[Any, tuple[str, ...]] = (False, ()),
+    scale_stats: Any = False,
 ) -> tuple[Hook, ...]:
     """The built-in hooks the arguments stand for, then ``hooks``; names unique."""
     if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
@@ -77,6 +84,7 @@ def all_hooks(
             skip_spikes,
             skip_nonfinite,
             check_replicas,
+            scale_stats,
         ),
         *hooks,
     )

@@ -80,6 +80,8 @@ class StepInfo(NamedTuple):
         computed from each replica's gradients.
       same_on_replicas: whether a list of float32 scalars is bitwise equal
         on every replica of ``axis_name`` (``True`` without one).
+      axis_name: the transformation's ``axis_name``, a tuple (empty without
+        one): the axes a hook's own collectives reduce over.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -108,6 +110,7 @@ class StepInfo(NamedTuple):
     same_on_replicas: Callable[[list[jax.Array]], jax.Array] = lambda values: (
         jax.numpy.asarray(True)
     )
+    axis_name: tuple[str, ...] = ()
 
 
 class Hook:

@@ -54,7 +54,9 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         ``diverged`` (``max_consecutive_skips``), ``gradient_norm``
         (``gradient_norm=True``), ``spike`` and ``total_spikes``
         (``skip_spikes``), ``replicas_differ`` and ``replica_mismatches``
-        (``check_replicas=True``), and a user hook's `jls.Hook.metrics`.
+        (``check_replicas=True``), ``underflow_fraction`` and
+        ``headroom_bits`` (``scale_stats``), and a user hook's
+        `jls.Hook.metrics`.
 
     Example:
       >>> import jls
@@ -91,6 +93,7 @@ def loss_scaling(
     check_replicas: bool = False,
     hooks: Sequence[Hook] = (),
     donated: bool = False,
+    scale_stats: Any = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer with loss scaling.
 
@@ -164,6 +167,11 @@ def loss_scaling(
         branch passes the donated buffers through, free with donation
         (``docs/performance.md`` has the measurements). Both are exact; a
         wrong setting costs time and memory, never correctness.
+      scale_stats: ``True`` (or a floating dtype, default float16): record
+        what the scale does to the scaled gradients in that compute dtype,
+        ``jls.metrics(...)["underflow_fraction"]`` (the fraction of entries
+        below its smallest normal, zeros included) and ``["headroom_bits"]``
+        (``log2(dtype max / max |g|)``, ``-inf`` after a non-finite step).
 
     Returns:
       ``LossScaling(...).gradient_transformation()``: an
@@ -199,6 +207,7 @@ def loss_scaling(
         check_replicas=check_replicas,
         hooks=hooks,
         donated=donated,
+        scale_stats=scale_stats,
     ).gradient_transformation()
 
 

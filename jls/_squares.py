@@ -96,7 +96,7 @@ def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
     return jnp.sum(square(jnp.concatenate([p.ravel() for p in pieces])))
 
 
-def _tracks_varying_axes() -> bool:
+def tracks_varying_axes() -> bool:
     """Whether jax records which ``shard_map`` axes each value varies over.
 
     True inside ``shard_map(..., check_vma=True)`` (the default); under
@@ -131,7 +131,7 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
     be read as replicas; under ``shard_map`` keep ``check_vma=True`` to
     avoid that.)
     """
-    tracked = _tracks_varying_axes()
+    tracked = tracks_varying_axes()
     reductions: list[tuple[list[jax.Array], Any, tuple[str, ...]]] = []
     small: dict[Any, list[jax.Array]] = {}
     group_small = tracked or not named  # replicas and shards must not share one

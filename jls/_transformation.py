@@ -102,6 +102,7 @@ class LossScaling(Decisions):
         skip_spikes: SpikeRule | None = None,
         check_replicas: bool = False,
         donated: bool = False,
+        scale_stats: Any = False,
     ) -> None:
         self.inner = checked_inner(inner)
         self.donated = flag("donated", donated)
@@ -115,13 +116,13 @@ class LossScaling(Decisions):
             skip_spikes,
             self.scaler.skip_nonfinite,
             (check_replicas, self.axis_name),
+            scale_stats,
         )
 
     def __repr__(self) -> str:
         return (
-            f"LossScaling(inner={self.inner!r:.80}, scaler={self.scaler!r}, "
-            f"axis_name={self.axis_name!r}, hooks={self.hooks!r}, "
-            f"donated={self.donated!r})"
+            f"LossScaling(inner={self.inner!r:.80}, scaler={self.scaler!r}, axis_name="
+            f"{self.axis_name!r}, hooks={self.hooks!r}, donated={self.donated!r})"
         )
 
     @staticmethod
@@ -219,10 +220,9 @@ class LossScaling(Decisions):
     ) -> tuple[Any, WrapperState]:
         """``tx.update`` (``fused=False``) or the fused step (``fused=True``).
 
-        ``decision``: the caller's `_decide` of these gradients (`jls.train_step`
-        takes it to retry), with ``retries`` the retries it made.
-        ``also_finite``: values checked with the gradients, neither unscaled
-        nor measured (flax's fp8 scales and amax histories).
+        ``decision``: the caller's `_decide` (`jls.train_step` retries), with
+        ``retries`` made. ``also_finite``: values checked with the gradients,
+        neither unscaled nor measured (flax's fp8 scales and amax histories).
         """
         _check_order(state, params)
         state = self._check_state(state)
@@ -241,13 +241,13 @@ class LossScaling(Decisions):
             loss_scale=None,
             any_replica=lambda flags: self._agree(flags, lax.pmax),
             same_on_replicas=self._same,
+            axis_name=self.axis_name,
         )
         vetoed, held = self._vetoes(state, info, decision.apply)
         apply = decision.apply
         for v in vetoed.values():
             apply = apply & ~v
-        # Computed once, before the skip, so each fusion that reads a
-        # gradient does not recompute them.
+        # Computed once, before the skip (not once per fusion that reads one).
         factors = {}
         if not self.scaler.is_identity:
             two = self.scaler.two_factor

@@ -34,6 +34,7 @@ LAYERS = [
         "jls._spikes",
         "jls._nonfinite_loss",
         "jls._replicas",
+        "jls._scale_stats",
     ],
     ["jls._builtins", "jls._inner", "jls._cond", "jls._off"],
     ["jls._decision", "jls._compensated"],

@@ -208,3 +208,14 @@ def test_a_loss_watching_rule_feeds_every_replica_the_mean_loss(agreement):
     want = np.mean([1.0 + 0.1 * i + 0.05 * np.mean(range(4)) for i in range(6)])
     assert r["loss_mean"] == pytest.approx(want, rel=1e-6)
     assert r["shard_map_mean"] == 2.5
+
+
+@pytest.mark.parametrize("case", ["vmaTrue", "vmaFalse", "pmap"])
+def test_scale_stats_agree_across_shards_and_replicas(agreement, case):
+    got = np.asarray(agreement["scale_stats"][case])
+    assert np.all(got == got[0]), got
+    if case == "pmap":  # 2**0..2**3 on four replicas: none small, largest 8
+        want = [0.0, np.log2(np.float32(65504.0)) - 3]
+    else:  # 9 of 19 entries below float16's smallest normal; largest 8
+        want = [9 / 19, np.log2(np.float32(65504.0)) - 3]
+    np.testing.assert_allclose(got[0], want, rtol=1e-6)

@@ -172,4 +172,55 @@ losses = jax.device_put(jnp.arange(1.0, N + 1.0), NamedSharding(r_mesh, P("r")))
 _, s_state = smap(p, tx.init(p), losses)
 report["loss_rule"]["shard_map_mean"] = float(s_state.hooks["spikes"].loss_mean)
 
+# 6. scale_stats: the underflow fraction and headroom of sharded gradients
+# (sharded leaves added, replicated ones counted once), and of replicas
+# under pmap with different gradients (added): every device reports the same.
+stats_grads = {
+    # 8 of 16 small; the shards differ (shards with equal statistics read as
+    # replicas where jax records no varying axes, as for the norm)
+    "w": jnp.asarray([[0.0, 1e-6, 1.0, 2.0 * (i + 1)] for i in range(4)]),
+    "r": jnp.asarray([1e-7, 4.0, 8.0], jnp.float32),  # 1 of 3 small
+}
+stats_specs = {"w": P("x"), "r": P()}
+stats_placed = jax.tree.map(
+    lambda g, s: jax.device_put(g, NamedSharding(mesh, s)), stats_grads, stats_specs
+)
+report["scale_stats"] = {}
+for check_vma in (True, False):
+    tx = jls.loss_scaling(
+        optax.sgd(0.0), jls.no_scale(), scale_stats=True, axis_name="x"
+    )
+
+    def stats_step(g, s, tx=tx):
+        _, new = tx.update(g, s, g)
+        m = jls.metrics(new)
+        return jnp.stack([m["underflow_fraction"], m["headroom_bits"]])[None]
+
+    out = jax.jit(
+        jax.shard_map(
+            stats_step,
+            mesh=mesh,
+            in_specs=(stats_specs, P()),
+            out_specs=P("x"),
+            check_vma=check_vma,
+        )
+    )(stats_placed, tx.init(stats_grads))
+    report["scale_stats"][f"vma{check_vma}"] = np.asarray(out).tolist()
+
+tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), scale_stats=True, axis_name="r")
+per_replica = {"w": jnp.stack([jnp.full(4, 2.0**i) for i in range(N)])}
+
+
+def stats_pmap(g, s):
+    _, new = tx.update(g, s, g)
+    m = jls.metrics(new)
+    return jnp.stack([m["underflow_fraction"], m["headroom_bits"]])
+
+
+one = {"w": jnp.zeros(4)}
+states = jax.tree.map(lambda x: jnp.stack([x] * N), tx.init(one))
+report["scale_stats"]["pmap"] = np.asarray(
+    jax.pmap(stats_pmap, axis_name="r")(per_replica, states)
+).tolist()
+
 print(json.dumps(report))

@@ -1,0 +1,124 @@
+"""What the scale does to the gradients: underflow and headroom, each step.
+
+``jls.loss_scaling(..., scale_stats=True)`` adds this hook. A too-small
+scale shows only as a worse loss: float16 flushes the small gradients to
+zero and nothing says so. Each step this records, of the scaled gradients
+as the step receives them, against the compute dtype (float16 unless told):
+
+* ``underflow_fraction``: the fraction of entries whose magnitude is below
+  the dtype's smallest normal, zeros included: the dtype holds them with
+  lost precision, or not at all.
+* ``headroom_bits``: ``log2(dtype max / max |g|)``, how many doublings of
+  the scale the largest gradient could take before it overflows; ``-inf``
+  on a step whose gradients are not finite.
+
+Both come from one variadic reduction per leaf (the largest magnitude and
+the count of small ones together), which XLA fuses with the gradient's
+producer as it does the check. Every replica reports the same, as for the
+gradient norm (`jls._squares`): a leaf sharded over a ``shard_map`` axis has
+its counts added over it; where jax records no varying axes (``pmap``,
+``check_vma=False``) a leaf whose statistics differ across ``axis_name`` is
+taken as sharded (added), an equal one as replicated (kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jls._finite import inexact_leaves, varying_axes
+from jls._hooks import Hook, StepInfo
+from jls._squares import tracks_varying_axes
+from jls._tree import plain
+
+
+class ScaleStatsState(NamedTuple):
+    """The latest step's statistics (float32 scalars)."""
+
+    underflow_fraction: jax.Array
+    headroom_bits: jax.Array
+
+
+def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(max(a), sum(small))`` in one variadic reduction."""
+
+    def body(x, y):
+        return jnp.maximum(x[0], y[0]), x[1] + y[1]
+
+    dims = tuple(range(a.ndim))
+    init = (jnp.float32(0), jnp.int32(0))
+    high, count = lax.reduce((a, small), init, body, dims)
+    return high, count
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleStats(Hook):
+    """Records ``underflow_fraction`` and ``headroom_bits`` (see the module).
+
+    Attributes:
+      dtype: the compute dtype the gradients are judged against (a floating
+        dtype; default float16, what loss scaling is for).
+    """
+
+    dtype: Any = "float16"
+    name = "scale_stats"
+
+    def __post_init__(self) -> None:
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError as err:
+            raise TypeError(
+                f"scale_stats must be True or a floating dtype, got {self.dtype!r}"
+            ) from err
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"scale_stats must be True or a floating dtype, got {self.dtype!r}"
+            )
+        object.__setattr__(self, "dtype", dtype)
+
+    def init(self, params: Any) -> ScaleStatsState:
+        del params
+        return ScaleStatsState(jnp.float32(0), jnp.float32(0))
+
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> ScaleStatsState:
+        del state, vetoed
+        info_ = jnp.finfo(self.dtype)
+        tiny, top = np.float32(info_.tiny), np.float32(info_.max)
+        high, count, size = jnp.float32(0), jnp.float32(0), jnp.float32(0)
+        tracked, named = tracks_varying_axes(), tuple(info.axis_name)
+        for x in inexact_leaves(info.grads):
+            if x.size == 0:
+                continue
+            a = jnp.abs(x).astype(jnp.float32)
+            h, c = _reduce(a, (a < tiny).astype(jnp.int32))
+            c, n = c.astype(jnp.float32), jnp.float32(x.size)
+            shards = tuple(sorted(varying_axes(x))) if tracked else ()
+            if shards:  # one gradient in shards: add the counts
+                h, c, n = lax.pmax(h, shards), lax.psum(c, shards), lax.psum(n, shards)
+            if named and not tracked:  # replicas (equal: kept) or shards (added)
+                same = (lax.pmax(c, named) == lax.pmin(c, named)) & (
+                    lax.pmax(h, named) == lax.pmin(h, named)
+                )
+                cn = lax.psum(jnp.stack([c, n]), named)
+                c, n = jnp.where(same, c, cn[0]), jnp.where(same, n, cn[1])
+                h = lax.pmax(h, named)
+            high = jnp.maximum(high, h)
+            count, size = count + c, size + n
+        fraction = jnp.where(size > 0, count / jnp.maximum(size, 1), 0)
+        bits = jnp.log2(jnp.float32(top)) - jnp.log2(high)
+        bits = jnp.where(info.finite, bits, -jnp.inf)
+        return ScaleStatsState(fraction.astype(jnp.float32), bits.astype(jnp.float32))
+
+    @classmethod
+    def metrics(cls, state: Any) -> dict[str, Any]:
+        """``underflow_fraction`` and ``headroom_bits``."""
+        state = plain(state)
+        return {
+            "underflow_fraction": state.underflow_fraction,
+            "headroom_bits": state.headroom_bits,
+        }
