@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import json
 import pathlib
 import sys
@@ -34,19 +33,8 @@ import optax
 
 import jls
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _char_lm():
-    spec = importlib.util.spec_from_file_location(
-        "char_lm", ROOT / "examples" / "char_lm.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm"] = module  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
-
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from char_runs import batch_tokens, held_out_loss, load_char_lm, split  # noqa: E402
 
 # variant: (parameter dtype, compute mode of char_lm, wrapper, scaler)
 VARIANTS = {
@@ -64,8 +52,7 @@ def _bytes(tree) -> int:
 def run(name: str, spec: tuple, seed: int, args, lm, text) -> dict:
     dtype, mode, wrap, scaler = spec
     cfg = dataclasses.replace(lm.Config(), steps=args.steps, seed=seed)
-    cut = int(len(text) * 0.9)
-    data, held_out = text[:cut], text[cut:]
+    data, held_out = split(text)
     loss_fn = lm.make_loss(cfg, mode)
     params = jax.tree.map(
         lambda x: x.astype(dtype), lm.init_params(jax.random.key(seed), cfg)
@@ -91,29 +78,18 @@ def run(name: str, spec: tuple, seed: int, args, lm, text) -> dict:
         params, opt_state = jls.apply_gradients(tx, grads, opt_state, params)
         return params, opt_state, loss
 
-    rng = np.random.default_rng(seed)
-    batch_at = rng.integers(0, len(data) - cfg.seq - 1, (cfg.steps, cfg.batch))
-    windows = np.arange(cfg.seq + 1)
+    tokens_at = batch_tokens(cfg, data, seed)
     losses = []
     for i in range(cfg.steps):
-        tokens = jnp.asarray(data[batch_at[i][:, None] + windows], jnp.int32)
+        tokens = tokens_at(i)
         params, opt_state, loss = step(params, opt_state, tokens)
         losses.append(float(loss))
-    f32_loss = jax.jit(lm.make_loss(cfg, "f32"))
-    held = np.random.default_rng(1234).integers(
-        0, len(held_out) - cfg.seq - 1, (8, cfg.batch)
-    )
-    wide = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-    evals = [
-        float(f32_loss(wide, jnp.asarray(held_out[h[:, None] + windows], jnp.int32)))
-        for h in held
-    ]
     tail = max(1, cfg.steps // 20)
     return {
         "variant": name,
         "seed": seed,
         "train_loss": float(np.mean(losses[-tail:])),
-        "held_out_loss": float(np.mean(evals)),
+        "held_out_loss": held_out_loss(lm, cfg, params, held_out),
         "bytes": memory,
         "losses": losses,
     }
@@ -176,7 +152,7 @@ def main(argv=None) -> list[dict]:
             print(f"{name:28s} {cost['kernels']:3d} kernels, {cost['temp_mb']:.2f} MB")
         return []
     variants = VARIANTS
-    lm = _char_lm()
+    lm = load_char_lm()
     text = lm.load_text(lm.Config().text_bytes)
     rows = []
     for seed in range(args.seeds):

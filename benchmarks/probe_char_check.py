@@ -15,7 +15,6 @@ XLA:CPU's YNN fusions (docs/performance.md).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import random
 import re
@@ -29,18 +28,8 @@ import optax
 
 import jls
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _char_lm():
-    spec = importlib.util.spec_from_file_location(
-        "char_lm", ROOT / "examples" / "char_lm.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm"] = module  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from char_runs import load_char_lm  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -51,7 +40,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--donate", action="store_true", help="donate the state")
     parser.add_argument("--time", type=int, default=0, help="interleaved rounds")
     args = parser.parse_args(argv)
-    lm = _char_lm()
+    lm = load_char_lm()
     cfg = lm.Config()
     key = jax.random.key(0)
     params = lm.init_params(key, cfg)

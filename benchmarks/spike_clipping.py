@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import json
 import pathlib
 import sys
@@ -36,19 +35,8 @@ import optax
 
 import jls
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _char_lm():
-    spec = importlib.util.spec_from_file_location(
-        "char_lm", ROOT / "examples" / "char_lm.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm"] = module  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
-
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from char_runs import batch_tokens, held_out_loss, load_char_lm, split  # noqa: E402
 
 VARIANTS = ("none", "clip_by_global_norm", "skip", "clip")
 
@@ -67,8 +55,7 @@ def make_tx(variant: str, lr: float, max_norm: float):
 
 def run(variant: str, seed: int, spikes: list[int], args, lm, text) -> dict:
     cfg = dataclasses.replace(lm.Config(), steps=args.steps, seed=seed)
-    cut = int(len(text) * 0.9)
-    data, held_out = text[:cut], text[cut:]
+    data, held_out = split(text)
     loss_fn = lm.make_loss(cfg, "f16")
     params = lm.init_params(jax.random.key(seed), cfg)
     tx = make_tx(variant, cfg.lr, args.max_norm)
@@ -86,31 +73,21 @@ def run(variant: str, seed: int, spikes: list[int], args, lm, text) -> dict:
         acted = m.get("spike", jnp.asarray(False))
         return params, opt_state, loss, acted, m["skipped"]
 
-    rng = np.random.default_rng(seed)
-    batch_at = rng.integers(0, len(data) - cfg.seq - 1, (cfg.steps, cfg.batch))
-    windows = np.arange(cfg.seq + 1)
+    tokens_at = batch_tokens(cfg, data, seed)
     losses, acted, skipped = [], 0, 0
     for i in range(cfg.steps):
-        tokens = jnp.asarray(data[batch_at[i][:, None] + windows], jnp.int32)
+        tokens = tokens_at(i)
         weight = jnp.float32(args.weight if i in spikes else 1.0)
         params, opt_state, loss, a, s = step(params, opt_state, tokens, weight)
         losses.append(float(loss))
         acted += bool(a)
         skipped += bool(s)
-    f32_loss = jax.jit(lm.make_loss(cfg, "f32"))
-    held = np.random.default_rng(1234).integers(
-        0, len(held_out) - cfg.seq - 1, (8, cfg.batch)
-    )
-    evals = [
-        float(f32_loss(params, jnp.asarray(held_out[h[:, None] + windows], jnp.int32)))
-        for h in held
-    ]
     tail = max(1, cfg.steps // 20)
     return {
         "variant": variant,
         "seed": seed,
         "train_loss": float(np.mean(losses[-tail:])),
-        "held_out_loss": float(np.mean(evals)),
+        "held_out_loss": held_out_loss(lm, cfg, params, held_out),
         "acted": acted,
         "skipped": skipped,
         "losses": losses,
@@ -185,7 +162,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     spikes = [int(s) for s in args.spikes.split(",") if s]
     variants = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
-    lm = _char_lm()
+    lm = load_char_lm()
     text = lm.load_text(lm.Config().text_bytes)
     rows = []
     for seed in range(args.seeds):

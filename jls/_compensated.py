@@ -13,9 +13,12 @@ optimizer (inside or outside `jls.loss_scaling`):
 
 Both return updates that `optax.apply_updates` (and the fused
 `jls.apply_gradients`) land exactly on the rounded parameter: the update is
-``new - p`` in float32, which is exact for float16 and bfloat16 parameters
-(both have at most 11 significant bits, float32 has 24), and ``p + (new - p)``
-is then exactly ``new``. The work is elementwise and XLA fuses it into the
+``new - p`` in float32 (the tests check the landing over dtypes and
+exponent gaps). Kahan's buffer holds the lost part as float32 computes it:
+exact while ``p`` and ``new`` are within about 13 binary orders of each
+other (float32's 24 bits against float16's 11); past that, and below the
+buffer dtype's smallest subnormal (2**-25 in float16), what is lost stays
+lost. The work is elementwise and XLA fuses it into the
 optimizer's update: no extra pass over the parameters.
 """
 
@@ -68,15 +71,39 @@ def _floating(x: Any) -> bool:
     return x is not None and jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
 
 
+def _checked(name: str, p: Any) -> jax.Array:
+    """``p`` as an array; a ``TypeError`` for fp8 (no implicit promotion)."""
+    p = jnp.asarray(p)
+    if jnp.issubdtype(p.dtype, jnp.floating) and np.dtype(p.dtype).itemsize < 2:
+        raise TypeError(
+            f"jls.{name} takes float16, bfloat16 and wider parameters, got a "
+            f"{p.dtype} leaf: an fp8 parameter cannot take a float32 update "
+            "(JAX defines no promotion); keep it out of the wrapped tree "
+            "(optax.masked)"
+        )
+    return p
+
+
+def _saturated(x: jax.Array, dtype: Any) -> jax.Array:
+    """Finite ``x`` clipped to ``dtype``'s finite range (inf and nan kept)."""
+    top = jnp.asarray(jnp.finfo(dtype).max, x.dtype)
+    return jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
+
+
 def _kahan(p: Any, u: Any, c: Any) -> tuple[Any, Any]:
-    """``(update, compensation)`` of one leaf: Kahan's sum in at least float32."""
+    """``(update, compensation)`` of one leaf: Kahan's sum in at least float32.
+
+    Finite sums saturate at the dtype's largest value, as plain rounding
+    does, so the buffer can never carry a finite run to inf and then nan.
+    """
     if not _floating(p) or u is None:
         return u, c
+    p, u, c = _checked("compensated", p), jnp.asarray(u), jnp.asarray(c)
     wide = compute_dtype(p.dtype)
     y = u.astype(wide) + c.astype(wide)
-    new = (p.astype(wide) + y).astype(p.dtype)
+    new = _saturated(p.astype(wide) + y, p.dtype).astype(p.dtype)
     step = new.astype(wide) - p.astype(wide)
-    return step, (y - step).astype(p.dtype)
+    return step, _saturated(y - step, p.dtype).astype(p.dtype)
 
 
 def compensated(
@@ -143,11 +170,15 @@ def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
     A value ``dtype`` holds stays as it is; otherwise it becomes one of its
     two neighbours ``lo < x < hi`` in ``dtype``, ``hi`` with probability
-    ``(x - lo) / (hi - lo)``. Past ``dtype``'s largest finite value it
-    saturates there; inf and nan pass through.
+    ``(x - lo) / (hi - lo)``. Past ``dtype``'s largest finite value (either
+    sign) it saturates there; inf and nan pass through. For float16,
+    bfloat16 and wider dtypes (fp8 formats without inf are refused by
+    `stochastic_rounding`).
     """
     near = x.astype(dtype)
     lo = jnp.where(near.astype(x.dtype) > x, jnp.nextafter(near, -jnp.inf), near)
+    top = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    lo = jnp.clip(lo, -top, top)  # below -max: -max (saturates), not -inf
     hi = jnp.nextafter(lo, jnp.inf)
     lo_w, hi_w = lo.astype(x.dtype), hi.astype(x.dtype)
     prob = (x - lo_w) / (hi_w - lo_w)
@@ -217,11 +248,15 @@ def stochastic_rounding(
         ups = treedef.flatten_up_to(updates)
         out = []
         for i, (p, u) in enumerate(zip(leaves, ups, strict=True)):
-            if not _floating(p) or u is None or np.dtype(p.dtype).itemsize >= 4:
+            if not _floating(p) or u is None:
+                out.append(u)
+                continue
+            p = _checked("stochastic_rounding", p)
+            if np.dtype(p.dtype).itemsize >= 4:
                 out.append(u)
                 continue
             wide = compute_dtype(p.dtype)
-            x = p.astype(wide) + u.astype(wide)
+            x = p.astype(wide) + jnp.asarray(u).astype(wide)
             new = round_stochastically(x, p.dtype, jax.random.fold_in(key, i))
             out.append(new.astype(wide) - p.astype(wide))
         count = jnp.asarray(optax.safe_increment(state.count))

@@ -10,7 +10,9 @@ as the step receives them, against the compute dtype (float16 unless told):
   lost precision, or not at all.
 * ``headroom_bits``: ``log2(dtype max / max |g|)``, how many doublings of
   the scale the largest gradient could take before it overflows; ``-inf``
-  on a step whose gradients are not finite.
+  on a step whose gradients are not finite, ``+inf`` when every gradient is
+  zero (XLA:CPU flushes float32 subnormals to zero). A complex entry counts
+  by its larger component; float64 gradients are judged in float64.
 
 Both come from one variadic reduction per leaf (the largest magnitude and
 the count of small ones together), which XLA fuses with the gradient's
@@ -31,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._finite import inexact_leaves, varying_axes
+from jls._finite import inexact_leaves, is_complex, varying_axes
 from jls._hooks import Hook, StepInfo
+from jls._scaling import compute_dtype
 from jls._squares import tracks_varying_axes
 from jls._tree import plain
 
@@ -44,6 +47,10 @@ class ScaleStatsState(NamedTuple):
     headroom_bits: jax.Array
 
 
+def _largest_part(x: jax.Array) -> jax.Array:
+    return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
+
+
 def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(max(a), sum(small))`` in one variadic reduction."""
 
@@ -51,7 +58,7 @@ def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
         return jnp.maximum(x[0], y[0]), x[1] + y[1]
 
     dims = tuple(range(a.ndim))
-    init = (jnp.float32(0), jnp.int32(0))
+    init = (jnp.zeros((), a.dtype), jnp.int32(0))
     high, count = lax.reduce((a, small), init, body, dims)
     return high, count
 
@@ -79,6 +86,11 @@ class ScaleStats(Hook):
             raise TypeError(
                 f"scale_stats must be True or a floating dtype, got {self.dtype!r}"
             )
+        if dtype.itemsize > 4 or dtype.name == "float8_e8m0fnu":
+            raise TypeError(
+                "scale_stats judges the gradients against a compute dtype of at "
+                f"most 32 bits that holds zero, got {dtype.name}"
+            )
         object.__setattr__(self, "dtype", dtype)
 
     def init(self, params: Any) -> ScaleStatsState:
@@ -88,13 +100,17 @@ class ScaleStats(Hook):
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> ScaleStatsState:
         del state, vetoed
         info_ = jnp.finfo(self.dtype)
-        tiny, top = np.float32(info_.tiny), np.float32(info_.max)
-        high, count, size = jnp.float32(0), jnp.float32(0), jnp.float32(0)
+        count, size = jnp.float32(0), jnp.float32(0)
+        bits = jnp.float32(jnp.inf)
         tracked, named = tracks_varying_axes(), tuple(info.axis_name)
         for x in inexact_leaves(info.grads):
             if x.size == 0:
                 continue
-            a = jnp.abs(x).astype(jnp.float32)
+            wide = compute_dtype(jnp.real(x).dtype)
+            # A complex entry's largest component: each overflows on its own.
+            a = jnp.abs(x) if not is_complex(x) else _largest_part(x)
+            a = a.astype(wide)
+            tiny, top = np.asarray(info_.tiny, wide), np.asarray(info_.max, wide)
             h, c = _reduce(a, (a < tiny).astype(jnp.int32))
             c, n = c.astype(jnp.float32), jnp.float32(x.size)
             shards = tuple(sorted(varying_axes(x))) if tracked else ()
@@ -107,10 +123,10 @@ class ScaleStats(Hook):
                 cn = lax.psum(jnp.stack([c, n]), named)
                 c, n = jnp.where(same, c, cn[0]), jnp.where(same, n, cn[1])
                 h = lax.pmax(h, named)
-            high = jnp.maximum(high, h)
+            leaf_bits = (jnp.log2(top) - jnp.log2(h)).astype(jnp.float32)
+            bits = jnp.minimum(bits, leaf_bits)
             count, size = count + c, size + n
         fraction = jnp.where(size > 0, count / jnp.maximum(size, 1), 0)
-        bits = jnp.log2(jnp.float32(top)) - jnp.log2(high)
         bits = jnp.where(info.finite, bits, -jnp.inf)
         return ScaleStatsState(fraction.astype(jnp.float32), bits.astype(jnp.float32))
 

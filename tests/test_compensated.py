@@ -193,3 +193,47 @@ def test_the_parameters_are_required(wrap):
     params = jnp.ones(2, jnp.bfloat16)
     with pytest.raises(TypeError, match="needs the parameters"):
         tx.update(params, tx.init(params))
+
+
+def test_a_finite_run_saturates_instead_of_overflowing():
+    # Kahan's buffer would push 65504 + 16 to inf in float16 and then make
+    # the buffer -inf and everything nan; plain rounding stays at 65504.
+    tx = jls.compensated(optax.sgd(1.0))
+    p = jnp.asarray([65504.0], jnp.float16)
+    s = tx.init(p)
+    for _ in range(5):
+        u, s = tx.update(jnp.asarray([-8.0], jnp.float16), s, p)
+        p = optax.apply_updates(p, u)
+        assert np.isfinite(np.asarray(p, np.float32)).all()
+        assert np.isfinite(np.asarray(s.compensation, np.float32)).all()
+    assert float(p[0]) == 65504.0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "x", "want"),
+    [
+        (
+            jnp.float16,
+            [-65530.0, -70000.0, 65530.0, 70000.0],
+            [-65504, -65504, 65504, 65504],
+        ),
+        (jnp.bfloat16, [-3.4e38, 3.4e38], [-3.3895314e38, 3.3895314e38]),
+    ],
+)
+def test_stochastic_rounding_saturates_on_both_sides(dtype, x, want):
+    rounded = jls._compensated.round_stochastically
+    for seed in range(4):
+        got = rounded(jnp.asarray(x, jnp.float32), dtype, jax.random.key(seed))
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-7)
+
+
+@pytest.mark.parametrize("wrap", [jls.compensated, jls.stochastic_rounding])
+def test_fp8_parameters_are_refused_and_python_floats_work(wrap):
+    p = jnp.asarray([1.0, 2.0], jnp.float8_e4m3fn)
+    tx = wrap(optax.sgd(0.5))
+    with pytest.raises(TypeError, match="fp8 parameter"):
+        tx.update(p, tx.init(p), p)
+    params = {"a": 1.0, "w": jnp.ones(2, jnp.bfloat16)}
+    u, _ = tx.update({"a": 1.0, "w": jnp.ones(2)}, tx.init(params), params)
+    new = optax.apply_updates(params, u)
+    assert float(new["a"]) == 0.5

@@ -132,3 +132,23 @@ def test_one_trace_and_the_fused_path_agree():
             s_fused.hooks["scale_stats"], s_update.hooks["scale_stats"]
         )
     assert len(traces) == 1
+
+
+def test_wide_or_zeroless_dtypes_are_refused():
+    for bad in ("float64", jnp.float8_e8m0fnu):
+        with pytest.raises(TypeError, match="at most 32 bits that holds zero"):
+            jls.loss_scaling(optax.sgd(0.1), scale_stats=bad)
+
+
+def test_a_complex_gradient_near_the_maximum_keeps_its_headroom():
+    # |3e38 + 3e38j| overflows float32; its larger component does not: the
+    # step is finite, and so is its headroom against bfloat16.
+    g = {"z": jnp.asarray([3e38 + 3e38j, 1.0], jnp.complex64)}
+    p = {"z": jnp.zeros(2, jnp.complex64)}
+    tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), scale_stats=jnp.bfloat16)
+    _, s = tx.update(g, tx.init(p), p)
+    m = jls.metrics(s)
+    top = float(ml_dtypes.finfo(jnp.bfloat16).max)
+    np.testing.assert_allclose(
+        float(m["headroom_bits"]), np.log2(top) - np.log2(3e38), rtol=1e-5
+    )
