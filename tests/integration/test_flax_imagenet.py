@@ -60,7 +60,14 @@ def test_flax_s_own_idiom_writes_nan_into_batch_stats(report):
 
 
 def test_resume_offset_counts_skipped_steps(report):
-    # 10 calls, two skipped (the first step's overflow and the inf batch):
-    # step 8, total_skips 2; the resumed run starts at call 10 (not 8, which
-    # would replay two batches) and makes 4 more.
-    assert report["resume"] == {"first": [8, 2, 10], "second": [12, 2, 4]}
+    # 10 calls with an inf batch: applied steps + skips == 10 calls (whether
+    # the first step also overflows depends on the jax version's float16
+    # arithmetic: 2 skips on jax 0.10, 1 on the 0.7.1 floor); the resumed
+    # run starts at call 10, not at the applied-step count (which would
+    # replay the skipped batches), and makes the 4 more calls to 14.
+    (applied, skips, calls), (applied2, skips2, calls2) = (
+        report["resume"]["first"],
+        report["resume"]["second"],
+    )
+    assert calls == 10 and skips in (1, 2) and applied + skips == 10
+    assert calls2 == 4 and skips2 == skips and applied2 + skips2 == 14
