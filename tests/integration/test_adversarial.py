@@ -402,7 +402,9 @@ def test_6_accumulated_mean_near_float32_max_is_not_skipped(k):
     def loss_fn(p, x):  # the mean over the rows, with no overflow of its own
         return jnp.sum(p * jnp.sum(x / x.shape[0], axis=0))
 
-    tx = jls.loss_scaling(optax.sgd(1e-38), jls.static_scale(1.0))
+    # A normal learning rate: 1e-38 is a float32 subnormal, flushed to zero
+    # by some XLA versions in one program and not the other.
+    tx = jls.loss_scaling(optax.sgd(1e-30), jls.static_scale(1.0))
     batch = jnp.full((n, 2), big, jnp.float32)
     params = jnp.zeros(2)
     plain = jax.jit(jls.train_step(loss_fn, tx))
@@ -875,7 +877,9 @@ def test_6_the_accumulation_bound_holds_at_its_limit(k):
     def loss_fn(p, x):  # the mean over the rows
         return jnp.sum(p * jnp.sum(x / x.shape[0], axis=0))
 
-    tx = jls.loss_scaling(optax.sgd(1e-38), jls.static_scale(1.0))
+    # A normal learning rate: 1e-38 is a float32 subnormal, flushed to zero
+    # by some XLA versions in one program and not the other.
+    tx = jls.loss_scaling(optax.sgd(1e-30), jls.static_scale(1.0))
     batch = jnp.asarray(np.stack([rows, rows], axis=1))
     params = jnp.zeros(2)
     accum = jax.jit(jls.train_step(loss_fn, tx, accumulation_steps=k))
