@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import json
 import pathlib
 import platform
@@ -57,19 +56,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 import demo  # noqa: E402
 import mlp  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from char_runs import load_char_lm  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WARMUP = 100  # steps before skips count against a scaler
-
-
-def _char_lm():
-    spec = importlib.util.spec_from_file_location(
-        "char_lm", ROOT / "examples" / "char_lm.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm"] = module  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclasses.dataclass
@@ -152,7 +143,7 @@ def stress_case(steps: int = 1500) -> Case:
 
 
 def lm_case(steps: int | None = None) -> Case:
-    lm = _char_lm()
+    lm = load_char_lm()
     cfg = lm.Config() if steps is None else lm.Config(steps=steps)
     data = lm.load_text(cfg.text_bytes)
     rng = np.random.default_rng(cfg.seed)

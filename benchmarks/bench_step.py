@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import json
 import pathlib
 import platform
@@ -57,6 +56,9 @@ from flax.training.dynamic_scale import DynamicScale
 
 import jls
 from jls import _finite
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from char_runs import load_char_lm  # noqa: E402
 
 
 class Block(nn.Module):
@@ -141,12 +143,7 @@ def make_problem(name: str):
 
 def _char_problem(key):
     """``examples/char_lm.py``'s model at its default size, run in float16."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "char_lm.py"
-    spec = importlib.util.spec_from_file_location("char_lm", path)
-    assert spec is not None and spec.loader is not None
-    char_lm = importlib.util.module_from_spec(spec)
-    sys.modules["char_lm"] = char_lm  # its dataclasses look themselves up
-    spec.loader.exec_module(char_lm)
+    char_lm = load_char_lm()
     cfg = char_lm.Config()
     params = char_lm.init_params(key, cfg)
     tokens = jax.random.randint(key, (cfg.batch, cfg.seq + 1), 0, 256)

@@ -153,9 +153,13 @@ class Decisions:
         if factor is None:
             return None
         # Every replica applies the same update: the smallest factor.
-        named = self.axis_name
-        axes = named + tuple(sorted(varying_axes(factor) - set(named)))
+        axes = self._axes(factor)
         return lax.pmin(factor, axes) if axes else factor
+
+    def _axes(self, x: jax.Array) -> tuple[str, ...]:
+        """``axis_name`` and every other ``shard_map`` axis ``x`` varies over."""
+        named = self.axis_name
+        return named + tuple(sorted(varying_axes(x) - set(named)))
 
     def _pop_loss(self, extra_args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """``loss=`` for the hooks that watch it, taken out of the inner's args.
@@ -183,7 +187,7 @@ class Decisions:
                 f"{loss.shape}"
             )
         loss = loss.astype(jnp.float32)
-        axes = self.axis_name + tuple(sorted(varying_axes(loss) - set(self.axis_name)))
+        axes = self._axes(loss)
         return (lax.pmean(loss, axes) if axes else loss), rest
 
     def _agree(self, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
@@ -195,11 +199,10 @@ class Decisions:
         sharded over an axis the user did not name (model-parallel
         parameters, say) varies over it too.
         """
-        named = self.axis_name
         out = []
         for group in _by_shape(flags):
             stacked = jnp.stack([f.astype(jnp.int32) for f in group])
-            axes = named + tuple(sorted(varying_axes(stacked) - set(named)))
+            axes = self._axes(stacked)
             agreed = reduce(stacked, axes) > 0 if axes else stacked > 0
             out.extend(agreed[i] for i in range(len(group)))
         return out
