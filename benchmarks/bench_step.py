@@ -211,7 +211,7 @@ def _steps(loss_fn, params, adam, donated):
         with _plain_sum_check():
             return jls_fused(params, state, batch)
 
-    off = jls.loss_scaling(adam, jls.no_scale(skip_nonfinite=False))
+    off = jls.loss_scaling(adam, jls.no_scale(skip_nonfinite=False), donated=donated)
 
     def jls_off(params, state, batch):
         # The off switch (bfloat16/float32 runs of a float16 script).

@@ -151,7 +151,7 @@ def _equations(fn, state) -> int:
     """Equations in ``fn``'s jaxpr, counting every nested jaxpr's too."""
 
     def nested(value):
-        # jax.extend.core.subjaxprs does this on newer jax; jls supports 0.7.1.
+        # jax.extend.core.subjaxprs does this on newer jax; jls supports 0.8.0.
         if isinstance(value, tuple | list):
             for item in value:
                 yield from nested(item)
@@ -347,7 +347,7 @@ def test_many_small_leaves_hold_no_copy_of_the_gradients():
     gradient_bytes = 300 * 64 * 64 * 4
     cap = SMALL_GROUP * 4
     assert cap < gradient_bytes / 8
-    # One capped concatenation (jax 0.10); the 0.7.1 floor's XLA also keeps
+    # One capped concatenation (jax 0.10); the 0.7.1 floor's XLA also kept
     # its magnitude (1.07 MB here): at most two, never every gradient (4.9 MB).
     held = temp(fused, tx.init(params)) - temp(plain, inner.init(params))
     assert held <= 2 * cap + 2**16
