@@ -42,9 +42,13 @@ def test_an_inf_batch_is_skipped_and_the_run_is_unharmed(report):
     # flax's DynamicScale() starts at 2**16, which overflows once here.
     assert report["skips"] == [1, 2]
     assert report["bad_step_logged_skipped"]
+    # Both runs learn (chance: 0.1). Their held-out accuracies are not
+    # compared: the bad run trains on one batch fewer, which moves a 24-step
+    # run's accuracy by up to 0.1 depending on the jax version (0.67 against
+    # 0.57 on the 0.8.0 floor, 0.60 and 0.59 on 0.10.2); that the skipped step
+    # changed nothing is the bitwise test below.
     clean, bad = report["accuracy"]
-    assert clean > 0.4 and bad > 0.4  # chance: 0.1
-    assert bad > clean - 0.1
+    assert clean > 0.4 and bad > 0.4
 
 
 def test_batch_stats_are_bitwise_unchanged_by_the_skipped_step(report):
