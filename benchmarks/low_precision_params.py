@@ -43,6 +43,14 @@ VARIANTS = {
     "bf16-kahan": ("bfloat16", "bf16", "kahan", "none"),
     "bf16-sr": ("bfloat16", "bf16", "sr", "none"),
 }
+# --dtype float16: float16 compute with jls's dynamic loss scale, the
+# parameters and Adam's moments in float32 or float16.
+VARIANTS_F16 = {
+    "f32-master": ("float32", "f16", None, "dynamic"),
+    "f16": ("float16", "f16", None, "dynamic"),
+    "f16-kahan": ("float16", "f16", "kahan", "dynamic"),
+    "f16-sr": ("float16", "f16", "sr", "dynamic"),
+}
 
 
 def _bytes(tree) -> int:
@@ -92,6 +100,10 @@ def run(name: str, spec: tuple, seed: int, args, lm, text) -> dict:
         "held_out_loss": held_out_loss(lm, cfg, params, held_out),
         "bytes": memory,
         "losses": losses,
+        "first_nonfinite_loss": next(
+            (i for i, x in enumerate(losses) if not np.isfinite(x)), None
+        ),
+        "skips": int(jls.metrics(opt_state)["total_skips"]),
     }
 
 
@@ -144,6 +156,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=300, help="steps per run")
     parser.add_argument("--json", default="", help="write every row here")
     parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16"],
+        default="bfloat16",
+        help="low-precision dtype (float16: with jls.dynamic_scale())",
+    )
+    parser.add_argument(
         "--compiled", action="store_true", help="only the compiled step's cost"
     )
     args = parser.parse_args(argv)
@@ -151,7 +169,7 @@ def main(argv=None) -> list[dict]:
         for name, cost in compiled_cost().items():
             print(f"{name:28s} {cost['kernels']:3d} kernels, {cost['temp_mb']:.2f} MB")
         return []
-    variants = VARIANTS
+    variants = VARIANTS if args.dtype == "bfloat16" else VARIANTS_F16
     lm = load_char_lm()
     text = lm.load_text(lm.Config().text_bytes)
     rows = []
@@ -161,7 +179,8 @@ def main(argv=None) -> list[dict]:
             r = rows[-1]
             print(
                 f"seed {seed} {name:12s} train {r['train_loss']:.3f} held-out "
-                f"{r['held_out_loss']:.3f} bytes {r['bytes']}",
+                f"{r['held_out_loss']:.3f} bytes {r['bytes']} skips {r['skips']} "
+                f"first non-finite loss at step {r['first_nonfinite_loss']}",
                 flush=True,
             )
     print(table(rows, list(variants)))

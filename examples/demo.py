@@ -28,10 +28,14 @@ It prints a progress bar per mode, then a table: the final training loss
 (evaluated in float32), test accuracy, skipped steps (modes without jls
 cannot skip: "-"), the final loss scale, the underflow fraction averaged over
 the run and over its last tenth ("at end"), and the training seconds
-(compilation excluded). It writes ``summary.json`` and ``demo.png`` (loss
+(compilation excluded). Below it, ``f16-jls``'s own view of its scale:
+``jls.loss_scaling(..., scale_stats=True)`` records, in the step, the
+fraction of the scaled gradient entries below float16's smallest normal and
+the headroom to overflow in bits (``jls.metrics``), averaged over the last
+tenth's applied steps. It writes ``summary.json`` and ``demo.png`` (loss
 curves, the loss-scale trajectory with skipped steps marked, the underflow
-fraction per step, and a histogram of gradient magnitudes against the float16
-range) to ``--out``.
+fraction per step with ``f16-jls``'s statistics beside it, and a histogram of
+gradient magnitudes against the float16 range) to ``--out``.
 
 The demo needs the ``demo`` extra: ``pip install -e ".[demo]"`` in a checkout
 of the repository (jls is not on a package index yet; scikit-learn,
@@ -195,7 +199,9 @@ def make_optimizer(mode: str, config: Config) -> optax.GradientTransformation:
         scaler = jls.dynamic_scale(
             config.init_scale, growth_interval=config.growth_interval
         )
-        return jls.loss_scaling(adam, scaler)
+        # scale_stats: jls's own view of the scale, read by the table's note
+        # and the plot (it changes nothing in the step).
+        return jls.loss_scaling(adam, scaler, scale_stats=True)
     if mode == "bf16":
         return jls.loss_scaling(adam, jls.no_scale())
     return adam
@@ -211,6 +217,11 @@ class History:
       skipped: whether every step's gradients were not finite.
       underflow_steps: the steps after which underflow was measured.
       underflow: the underflow fraction measured then (`underflow_fraction`).
+      stats_underflow: ``f16-jls`` only (else empty): every step's
+        ``jls.metrics(...)["underflow_fraction"]`` (``scale_stats=True``), the
+        fraction of its scaled gradient entries below float16's smallest
+        normal, zeros included.
+      stats_headroom: ``f16-jls`` only: every step's ``headroom_bits``.
 
     Example:
       >>> import demo
@@ -225,6 +236,8 @@ class History:
     skipped: list[bool] = dataclasses.field(default_factory=list)
     underflow_steps: list[int] = dataclasses.field(default_factory=list)
     underflow: list[float] = dataclasses.field(default_factory=list)
+    stats_underflow: list[float] = dataclasses.field(default_factory=list)
+    stats_headroom: list[float] = dataclasses.field(default_factory=list)
 
 
 def train_mode(
@@ -293,12 +306,20 @@ def train_mode(
             xb, yb = x_train[idx], y_train[idx]
         if uses_jls:  # scale, differentiate, check, apply: one fused jls step
             params, opt_state, out = jls_step(params, opt_state, xb, yb)
-            record = (out.loss, out.loss_scale, out.skipped)
+            stats = jls.metrics(opt_state)
+            record = (
+                out.loss,
+                out.loss_scale,
+                out.skipped,
+                stats.get("underflow_fraction", jnp.float32(jnp.nan)),
+                stats.get("headroom_bits", jnp.float32(jnp.nan)),
+            )
         else:
             grads, loss = gradients(params, opt_state, xb, yb)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            record = (loss, jnp.float32(1.0), ~jls.all_finite(grads))
+            nan = jnp.float32(jnp.nan)
+            record = (loss, jnp.float32(1.0), ~jls.all_finite(grads), nan, nan)
         return (params, opt_state), record
 
     @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=3)
@@ -323,13 +344,16 @@ def train_mode(
         params, opt_state, records, frac, next_scale = run_chunk(
             params, opt_state, jnp.int32(done), length
         )
-        loss, scale, skipped = jax.device_get(records)
+        loss, scale, skipped, stats_underflow, stats_headroom = jax.device_get(records)
         frac = float(frac)
         if done > 0:  # the first chunk includes compilation: not timed
             seconds += time.perf_counter() - start
         history.loss.extend(float(v) for v in loss)
         history.scale.extend(float(v) for v in scale)
         history.skipped.extend(bool(v) for v in skipped)
+        if mode == "f16-jls":
+            history.stats_underflow.extend(float(v) for v in stats_underflow)
+            history.stats_headroom.extend(float(v) for v in stats_headroom)
         done += length
         history.underflow_steps.append(done)
         history.underflow.append(frac)
@@ -352,6 +376,14 @@ def train_mode(
         "seconds": seconds,
         "steps": config.steps,
     }
+    if history.stats_underflow:  # jls's own statistics: the last tenth's
+        last = max(1, len(history.stats_underflow) // 10)  # applied steps
+        applied = ~np.asarray(history.skipped[-last:])
+        for key, values in (
+            ("stats_underflow_final", history.stats_underflow),
+            ("stats_headroom_final", history.stats_headroom),
+        ):
+            row[key] = float(np.mean(np.asarray(values[-last:])[applied]))
     return row, history, params
 
 
@@ -440,6 +472,16 @@ def _plot(
     ax = axes[1, 0]
     for mode, h in histories.items():
         ax.plot(h.underflow_steps, 100 * np.asarray(h.underflow), label=mode)
+    if "f16-jls" in histories and histories["f16-jls"].stats_underflow:
+        h = histories["f16-jls"]
+        ax.plot(
+            np.arange(1, len(h.stats_underflow) + 1),
+            100 * np.asarray(h.stats_underflow),
+            color="C2",
+            ls=":",
+            lw=0.8,
+            label="f16-jls, jls's scale_stats (< float16 normal)",
+        )
     ax.set(xlabel="step", ylabel="% of nonzero float32 gradient entries = 0")
     ax.set_title("Gradient entries lost to underflow")
     ax.legend()
@@ -555,6 +597,14 @@ def run(
         "float32 gradient entries\nlie below half of float16's smallest subnormal: "
         "unscaled, float16 rounds them to 0."
     )
+    if jls_row is not None and "stats_underflow_final" in jls_row:
+        print(
+            "f16-jls, jls's own statistics (scale_stats=True) over the last "
+            "tenth's applied steps:\n"
+            f"{100 * jls_row['stats_underflow_final']:.1f}% of the scaled gradient "
+            "entries below float16's smallest normal (zeros included), "
+            f"{jls_row['stats_headroom_final']:.1f} bits\nof headroom to overflow."
+        )
     print(f"wrote {out / 'demo.png'} and {out / 'summary.json'}")
     return rows
 
