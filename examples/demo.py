@@ -383,7 +383,8 @@ def train_mode(
             ("stats_underflow_final", history.stats_underflow),
             ("stats_headroom_final", history.stats_headroom),
         ):
-            row[key] = float(np.mean(np.asarray(values[-last:])[applied]))
+            kept = np.asarray(values[-last:])[applied]
+            row[key] = float(np.mean(kept)) if kept.size else math.nan
     return row, history, params
 
 

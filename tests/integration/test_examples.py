@@ -186,6 +186,11 @@ def test_the_statistics_are_recorded_and_change_nothing(monkeypatch):
     assert np.isnan(row2["stats_underflow_final"])
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
         np.testing.assert_array_equal(a, b)
+    # A tail of skipped steps only (float16 overflows at 2**40): no average,
+    # and no warning (the suite turns warnings into errors).
+    overflow = dataclasses.replace(config, steps=1, chunk=1, init_scale=2.0**40)
+    row3, _, _ = demo.train_mode("f16-jls", overflow, data)
+    assert row3["skipped_steps"] == 1 and np.isnan(row3["stats_headroom_final"])
     # The modes without jls record none.
     _, f16_history, _ = demo.train_mode("f16", config, data)
     assert f16_history.stats_underflow == []
