@@ -5,7 +5,10 @@
 (``jls.apply_gradients``, ``jls.dynamic_scale()``) with and without it, and
 plain Adam, on the models of ``bench_step.py``, donated and not, in
 interleaved rounds; ratios are to the fused step without the statistics in
-the same donation mode. Run:
+the same donation mode. ``jls_fused_scale_stats_every<n>`` measures one
+step in ``n`` (``jls.ScaleStats(every=n)``, donated only: jls refuses it
+without donation), with ``n`` the steps timed per sample, so that every
+sample holds exactly one measured step. Run:
 ``python benchmarks/bench_scale_stats.py --model all --rounds 15``;
 ``--isolated`` times the check and the statistics' reductions on their own.
 """
@@ -30,7 +33,7 @@ import bench_step  # noqa: E402
 DONATED = bench_step.DONATED
 
 
-def variants(loss_fn, params):
+def variants(loss_fn, params, every: int):
     adam = optax.adam(1e-4)
     scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
     out = {}
@@ -44,7 +47,12 @@ def variants(loss_fn, params):
             return optax.apply_updates(params, updates), state
 
         out["plain" + suffix] = (jit(plain), adam.init(params))
-        for name, stats in (("jls_fused", False), ("jls_fused_scale_stats", True)):
+        configs = [("jls_fused", False), ("jls_fused_scale_stats", True)]
+        if donated:  # sampling needs a donating step (refused without)
+            configs.append(
+                (f"jls_fused_scale_stats_every{every}", jls.ScaleStats(every=every))
+            )
+        for name, stats in configs:
             tx = jls.loss_scaling(adam, scaler, donated=donated, scale_stats=stats)
 
             def fused(params, state, batch, tx=tx):
@@ -63,7 +71,7 @@ def base(key: str) -> str:
 
 def run(model: str, rounds: int, steps_per_sample: int) -> dict:
     loss_fn, params, batch = bench_step.make_problem(model)
-    made = variants(loss_fn, params)
+    made = variants(loss_fn, params, every=steps_per_sample)
     facts = {
         key: bench_step.compiled_stats(step, params, state, batch)
         for key, (step, state) in made.items()

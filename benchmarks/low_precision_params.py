@@ -10,11 +10,16 @@ the parameters (and Adam's moments) kept:
 - ``bf16-sr``: in bfloat16, ``jls.stochastic_rounding(adam)``.
 
 Every run is wrapped in ``jls.loss_scaling(..., jls.no_scale())``
-(skip-on-nan). It reports, per seed, the training loss (the mean of
-the last 5% of steps), the held-out loss in float32, and the bytes of the
-parameters plus the optimizer state. Run:
+(skip-on-nan). ``--dtype float16`` runs the same four in float16
+(``f32-master``, ``f16``, ``f16-kahan``, ``f16-sr``): float16 compute with
+``jls.dynamic_scale()``. ``--eps`` sets Adam's ``eps`` (optax's 1e-8 is 0
+in float16). It reports, per seed, the training loss (the mean of the last
+5% of steps), the held-out loss in float32, the bytes of the parameters
+plus the optimizer state, the skipped steps and the first step whose loss
+was not finite. Run:
 ``python benchmarks/low_precision_params.py --seeds 3``; ``--compiled``
-prints the kernels and temporaries of each fused step instead.
+prints the kernels and temporaries of each fused step instead (kernels:
+the fusions of the entry computation with a single array output).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def run(name: str, spec: tuple, seed: int, args, lm, text) -> dict:
     params = jax.tree.map(
         lambda x: x.astype(dtype), lm.init_params(jax.random.key(seed), cfg)
     )
-    inner = optax.adam(cfg.lr)
+    inner = optax.adam(cfg.lr, eps=args.eps)
     if wrap == "kahan":
         inner = jls.compensated(inner)
     elif wrap == "sr":
@@ -155,6 +160,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..n-1")
     parser.add_argument("--steps", type=int, default=300, help="steps per run")
     parser.add_argument("--json", default="", help="write every row here")
+    parser.add_argument(
+        "--eps", type=float, default=1e-8, help="Adam's eps (optax's default)"
+    )
     parser.add_argument(
         "--dtype",
         choices=["bfloat16", "float16"],

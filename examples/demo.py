@@ -383,8 +383,8 @@ def train_mode(
             ("stats_underflow_final", history.stats_underflow),
             ("stats_headroom_final", history.stats_headroom),
         ):
-            kept = np.asarray(values[-last:])[applied]
-            row[key] = float(np.mean(kept)) if kept.size else math.nan
+            kept = np.asarray(values[-last:])[applied]  # none: None (JSON null)
+            row[key] = float(np.mean(kept)) if kept.size else None
     return row, history, params
 
 
@@ -471,14 +471,18 @@ def _plot(
     ax.set_title("Loss-scale trajectory")
 
     ax = axes[1, 0]
+    colors = {}
     for mode, h in histories.items():
-        ax.plot(h.underflow_steps, 100 * np.asarray(h.underflow), label=mode)
+        (line,) = ax.plot(h.underflow_steps, 100 * np.asarray(h.underflow), label=mode)
+        colors[mode] = line.get_color()
     if "f16-jls" in histories and histories["f16-jls"].stats_underflow:
         h = histories["f16-jls"]
+        # Skipped steps' statistics (the gradients were not finite): gaps.
+        stats = np.where(h.skipped, np.nan, h.stats_underflow)
         ax.plot(
-            np.arange(1, len(h.stats_underflow) + 1),
-            100 * np.asarray(h.stats_underflow),
-            color="C2",
+            np.arange(1, len(stats) + 1),
+            100 * stats,
+            color=colors["f16-jls"],
             ls=":",
             lw=0.8,
             label="f16-jls, jls's scale_stats (< float16 normal)",
@@ -598,7 +602,7 @@ def run(
         "float32 gradient entries\nlie below half of float16's smallest subnormal: "
         "unscaled, float16 rounds them to 0."
     )
-    if jls_row is not None and "stats_underflow_final" in jls_row:
+    if jls_row is not None and jls_row.get("stats_underflow_final") is not None:
         print(
             "f16-jls, jls's own statistics (scale_stats=True) over the last "
             "tenth's applied steps:\n"

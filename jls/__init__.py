@@ -24,6 +24,7 @@ from jls._measured import measured_scale
 from jls._policy import Policy, get_policy
 from jls._precision import precision_report
 from jls._rule import LossScaler
+from jls._scale_stats import ScaleStats
 from jls._scaling import scale_loss, unscale
 from jls._set_scale import deprecated_replace_loss_scale_state, set_loss_scale
 from jls._spikes import SpikeRule
@@ -42,6 +43,7 @@ __all__ = [
     "LossScaler",
     "LossScaling",
     "Policy",
+    "ScaleStats",
     "SpikeRule",
     "all_finite",
     "apply_gradients",

@@ -58,6 +58,8 @@ def builtin_hooks(
         hooks.append(ReplicaCheck())
     if scale_stats is True:
         hooks.append(ScaleStats())
+    elif isinstance(scale_stats, ScaleStats):
+        hooks.append(scale_stats)
     elif scale_stats is not False and scale_stats is not None:
         hooks.append(ScaleStats(scale_stats))  # a dtype, checked there
     return hooks
@@ -72,8 +74,13 @@ def all_hooks(
     skip_nonfinite: bool = True,
     check_replicas: tuple[Any, tuple[str, ...]] = (False, ()),
     scale_stats: Any = False,
+    donated: bool = False,
 ) -> tuple[Hook, ...]:
-    """The built-in hooks the arguments stand for, then ``hooks``; names unique."""
+    """The built-in hooks the arguments stand for, then ``hooks``; names unique.
+
+    A sampling `ScaleStats` (``every > 1``) needs ``donated``: its
+    ``lax.cond`` holds the gradients in memory in a step that does not donate.
+    """
     if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
         raise TypeError(f"hooks must be a sequence of jls.Hook, got {hooks!r:.200}")
     out = (
@@ -91,4 +98,14 @@ def all_hooks(
     names = [h.name for h in out]
     if len(set(names)) != len(names):
         raise ValueError(f"hooks must have distinct names, got {names}")
+    sampled = [h for h in out if isinstance(h, ScaleStats) and h.every > 1]
+    if sampled and not donated:
+        raise ValueError(
+            f"scale_stats=jls.ScaleStats(every={sampled[0].every}) measures "
+            "inside a lax.cond, which pays only when the step donates "
+            "(donated=True, with jax.jit(..., donate_argnums=...)): without "
+            "donation the conditional holds the gradients in memory (134 MB "
+            "and 1.27x the step on a 27M-parameter LM, against 1.07x for "
+            "measuring every step). Use scale_stats=True, or donate."
+        )
     return out

@@ -171,7 +171,8 @@ def loss_scaling(
         what the scale does to the scaled gradients in that compute dtype,
         ``jls.metrics(...)["underflow_fraction"]`` (the fraction of entries
         below its smallest normal, zeros included) and ``["headroom_bits"]``
-        (``log2(dtype max / max |g|)``, ``-inf`` after a non-finite step).
+        (``log2(dtype max / max |g|)``, ``-inf`` after a non-finite step);
+        or a `jls.ScaleStats` (``every=n``: measure one step in ``n``).
 
     Returns:
       ``LossScaling(...).gradient_transformation()``: an

@@ -26,8 +26,7 @@ How this was chosen (``benchmarks/bench_step.py``, ``bench_skip.py``):
 unscaling before the decision materialises a second gradient tree (1.12x
 plain Adam on the 27M LM, donated); a division in the branch is not
 duplicated into Adam's two uses of the gradient (1.19x); a multiplication,
-1.05x. ``tests/integration/test_perf_guards.py`` asserts the result.
-
+1.05x. ``tests/integration/test_perf_guards.py`` asserts the result;
 ``docs/design.md`` says what is kept from earlier designs, and why.
 """
 
@@ -117,6 +116,7 @@ class LossScaling(Decisions):
             self.scaler.skip_nonfinite,
             (check_replicas, self.axis_name),
             scale_stats,
+            self.donated,
         )
 
     def __repr__(self) -> str:

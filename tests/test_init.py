@@ -29,6 +29,7 @@ def test_public_names():
         "LossScaler",
         "LossScaling",
         "Policy",
+        "ScaleStats",
         "SpikeRule",
         "all_finite",
         "apply_gradients",

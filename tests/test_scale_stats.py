@@ -3,6 +3,8 @@
 # pyright: reportIndexIssue=false, reportAttributeAccessIssue=false
 # pyright: reportArgumentType=false, reportCallIssue=false
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -152,3 +154,103 @@ def test_a_complex_gradient_near_the_maximum_keeps_its_headroom():
     np.testing.assert_allclose(
         float(m["headroom_bits"]), np.log2(top) - np.log2(3e38), rtol=1e-5
     )
+
+
+def _run(scale_stats, grads_seq):
+    """Fused, jitted, donated steps over ``grads_seq``; every step's results."""
+    params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
+    tx = jls.loss_scaling(
+        optax.adam(0.1),
+        jls.dynamic_scale(2.0**4),
+        scale_stats=scale_stats,
+        donated=True,
+    )
+    traces = []
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def step(g, s, p):
+        traces.append(1)
+        return jls.apply_gradients(tx, g, s, p)
+
+    state, out = tx.init(params), []
+    for g in grads_seq:
+        params, state = step(g, state, params)
+        out.append(jax.tree.map(jnp.copy, (params, state)))  # kept: not donated
+    return out, len(traces)
+
+
+def _grads(n, seed=0):
+    rng = np.random.default_rng(seed)
+    seq = []
+    for i in range(n):
+        scale = 2.0 ** rng.integers(-30, 4)
+        g = {
+            "w": jnp.asarray(rng.standard_normal((4, 4)) * scale, jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(4) * scale, jnp.float32),
+        }
+        if i == 4:  # a non-finite step, measured or not
+            g["b"] = g["b"].at[0].set(jnp.inf)
+        seq.append(g)
+    return seq
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_every_n_measures_one_step_in_n_and_holds_between(every):
+    seq = _grads(9)
+    each, _ = _run(True, seq)
+    sampled, traces = _run(jls.ScaleStats(every=every), seq)
+    assert traces == 1
+    held = None
+    for i, ((p1, s1), (p2, s2)) in enumerate(zip(each, sampled, strict=True)):
+        # Training is unchanged, bitwise: parameters and every other state.
+        chex.assert_trees_all_equal(p1, p2)
+        chex.assert_trees_all_equal(s1.inner_state, s2.inner_state)
+        chex.assert_trees_all_equal(s1.loss_scale, s2.loss_scale)
+        got = s2.hooks["scale_stats"]
+        if i % every == 0:  # measured: this step's statistics, as every=1's
+            held = s1.hooks["scale_stats"][:2]
+        chex.assert_trees_all_equal(tuple(got[:2]), tuple(held))
+        assert int(got.phase) == (i + 1) % every
+
+
+def test_every_is_checked_and_every_one_is_the_default():
+    for bad in (0, -1, 2**31):
+        with pytest.raises(ValueError, match="every must be an int"):
+            jls.ScaleStats(every=bad)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(TypeError, match="every must be an int"):
+            jls.ScaleStats(every=bad)
+    seq = _grads(3, seed=1)
+    a, _ = _run(True, seq)
+    b, _ = _run(jls.ScaleStats(jnp.float16, every=1), seq)
+    chex.assert_trees_all_equal(a, b)
+
+
+def test_every_n_without_donation_is_refused_naming_the_fix():
+    stats = jls.ScaleStats(every=4)
+    for kwargs in ({"scale_stats": stats}, {"hooks": [stats]}):
+        with pytest.raises(ValueError, match=r"ScaleStats\(every=4\).*or donate"):
+            jls.loss_scaling(optax.sgd(0.1), **kwargs)
+    jls.loss_scaling(optax.sgd(0.1), scale_stats=jls.ScaleStats(every=1))
+
+
+def test_every_n_agrees_across_replicas():
+    # A named vmap: the measured step's collectives run inside the cond.
+    params = {"w": jnp.ones(8)}
+    tx = jls.loss_scaling(
+        optax.sgd(0.1),
+        jls.no_scale(),
+        axis_name="r",
+        scale_stats=jls.ScaleStats(every=2),
+        donated=True,
+    )
+    state = tx.init(params)
+    g = jnp.stack([jnp.full(8, 1e-9), jnp.full(8, 1.0)])  # replica 0 all small
+
+    def step(g, s):
+        return tx.update({"w": g}, s, params)[1]
+
+    batched = jax.vmap(step, in_axes=(0, None), axis_name="r", out_axes=0)
+    out = batched(g, state)
+    frac = out.hooks["scale_stats"].underflow_fraction
+    np.testing.assert_array_equal(frac, [0.5, 0.5])  # 8 of 16, on both

@@ -190,10 +190,24 @@ def test_the_statistics_are_recorded_and_change_nothing(monkeypatch):
     # and no warning (the suite turns warnings into errors).
     overflow = dataclasses.replace(config, steps=1, chunk=1, init_scale=2.0**40)
     row3, _, _ = demo.train_mode("f16-jls", overflow, data)
-    assert row3["skipped_steps"] == 1 and np.isnan(row3["stats_headroom_final"])
+    assert row3["skipped_steps"] == 1 and row3["stats_headroom_final"] is None
     # The modes without jls record none.
     _, f16_history, _ = demo.train_mode("f16", config, data)
     assert f16_history.stats_underflow == []
+
+
+def test_a_run_of_skipped_steps_writes_strict_json(tmp_path, capsys):
+    config = demo.Config(steps=2, chunk=1, modes=("f16-jls",), init_scale=2.0**40)
+    demo.run(config, tmp_path, show_progress=False)
+
+    def refuse(constant):
+        raise AssertionError(f"summary.json holds {constant}")
+
+    rows = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)[
+        "rows"
+    ]
+    assert rows[0]["skipped_steps"] == 2 and rows[0]["stats_underflow_final"] is None
+    assert "jls's own statistics" not in capsys.readouterr().out
 
 
 def test_the_closing_line_names_the_run_it_measured(tmp_path, capsys):

@@ -66,7 +66,7 @@ def test_flax_s_own_idiom_writes_nan_into_batch_stats(report):
 def test_resume_offset_counts_skipped_steps(report):
     # 10 calls with an inf batch: applied steps + skips == 10 calls (whether
     # the first step also overflows depends on the jax version's float16
-    # arithmetic: 2 skips on jax 0.10, 1 on the 0.7.1 floor); the resumed
+    # arithmetic: 2 skips on jax 0.10, 1 on the earlier 0.7.1 floor); the resumed
     # run starts at call 10, not at the applied-step count (which would
     # replay the skipped batches), and makes the 4 more calls to 14.
     (applied, skips, calls), (applied2, skips2, calls2) = (
