@@ -104,8 +104,9 @@ def all_hooks(
             f"scale_stats=jls.ScaleStats(every={sampled[0].every}) measures "
             "inside a lax.cond, which pays only when the step donates "
             "(donated=True, with jax.jit(..., donate_argnums=...)): without "
-            "donation the conditional holds the gradients in memory (134 MB "
-            "and 1.27x the step on a 27M-parameter LM, against 1.07x for "
-            "measuring every step). Use scale_stats=True, or donate."
+            "donation the conditional holds the gradients in memory (on a "
+            "27M-parameter LM, XLA:CPU: 134 MB of temporaries against 3 MB, "
+            "1.27x the step against 1.07x for measuring every step). Use "
+            "scale_stats=True, or donate."
         )
     return out

@@ -19,8 +19,9 @@ passes scale-1 gradients through, changes how XLA fuses Adam's update and
 the last bits of its moments: the step would no longer be the plain one.)
 
 Only the default divergence hook may be present (nothing skips, so it never
-fires); any other hook (diagnostics, the gradient norm, a spike rule, a
-user's veto) needs the check, and the step takes the usual path.
+fires); any other hook (diagnostics, the gradient norm, a spike rule, the
+scale statistics, a user's veto) needs the check, and the step takes the
+usual path.
 """
 
 from __future__ import annotations

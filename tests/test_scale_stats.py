@@ -254,3 +254,8 @@ def test_every_n_agrees_across_replicas():
     out = batched(g, state)
     frac = out.hooks["scale_stats"].underflow_fraction
     np.testing.assert_array_equal(frac, [0.5, 0.5])  # 8 of 16, on both
+
+
+def test_a_none_dtype_is_refused_as_none():
+    with pytest.raises(TypeError, match="floating dtype, got None"):
+        jls.ScaleStats(dtype=None)
