@@ -54,8 +54,8 @@ class ScaleStatsState(NamedTuple):
     """The latest measured step's statistics, and where the cycle stands.
 
     ``underflow_fraction`` and ``headroom_bits`` are float32 scalars;
-    ``phase`` (int32) counts the calls since the last measurement, modulo
-    ``every`` (0: the next call measures).
+    ``phase`` (int32) is the position in the cycle of ``every`` calls (0:
+    the next call measures).
     """
 
     underflow_fraction: jax.Array
@@ -103,7 +103,7 @@ class ScaleStats(Hook):
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> stats = jls.ScaleStats(every=2)  # with donation only (see below)
+      >>> stats = jls.ScaleStats(every=2)  # with donation only (see above)
       >>> tx = jls.loss_scaling(
       ...     optax.sgd(0.1), jls.no_scale(), scale_stats=stats, donated=True
       ... )
