@@ -157,10 +157,11 @@ def test_the_demo_shows_the_problem_and_the_fix():
     assert abs(scaled["final_loss"] - f32["final_loss"]) < 0.02 * f32["final_loss"]
     assert scaled["final_scale"] > 2.0**24  # it had to grow to get there
     # jls's own statistics agree: almost no scaled entry below float16's
-    # smallest normal (measured 0.6%), and the dynamic rule, which grows
-    # until float16 overflows, keeps the gradients within a bit or two of it.
+    # smallest normal, and headroom left but not much: the dynamic rule
+    # grows the scale toward float16's overflow (measured at 800 steps:
+    # 5.8 bits, the scale still growing; 1.0 at the demo's 1500).
     assert scaled["stats_underflow_final"] < 0.05
-    assert 0.0 <= scaled["stats_headroom_final"] < 3.0
+    assert 0.0 < scaled["stats_headroom_final"] < 8.0
     assert np.isfinite([r["final_loss"] for r in rows.values()]).all()
 
 
