@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from jls._diagnostics import Diagnostics
 from jls._divergence import Divergence
 from jls._hooks import Hook
@@ -13,7 +15,18 @@ from jls._norm import GradientNorm
 from jls._replicas import ReplicaCheck
 from jls._scale_stats import ScaleStats
 from jls._spikes import SpikeRule
-from jls._validate import flag
+from jls._validate import axis_names, flag
+
+
+def replica_axes(value: Any) -> tuple[str, ...]:
+    """``check_replicas`` given as axis names: a str or a tuple of str."""
+    try:
+        return axis_names("check_replicas", value)
+    except TypeError:
+        raise TypeError(
+            "check_replicas must be a bool, an axis name or a tuple of axis "
+            f"names, got {value!r}"
+        ) from None
 
 
 def builtin_hooks(
@@ -47,15 +60,20 @@ def builtin_hooks(
             )
         hooks.append(skip_spikes)
     check, axis_name = check_replicas
-    if flag("check_replicas", check):
+    axes = () if isinstance(check, (bool, np.bool_)) else replica_axes(check)
+    if axes or flag("check_replicas", check):
         if not axis_name:
             raise ValueError(
-                "check_replicas=True compares the replicas of axis_name: give the "
+                "check_replicas compares the replicas of axis_name: give the "
                 "pmap/shard_map axis the batch is split over, e.g. "
                 "axis_name='batch' (under jit over sharded arrays the gradients "
                 "are global and there is nothing to compare)"
             )
-        hooks.append(ReplicaCheck())
+        if not set(axes) <= set(axis_name):
+            raise ValueError(
+                f"check_replicas={check!r} must name axes of axis_name={axis_name}"
+            )
+        hooks.append(ReplicaCheck(axes))
     if scale_stats is True:
         hooks.append(ScaleStats())
     elif isinstance(scale_stats, ScaleStats):

@@ -40,9 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lax.lax import _convert_element_type
 
-from jls._finite import varying_of
+from jls._compat import varying_of, weakly_typed
 
 
 def zero(dtype: Any) -> Any:
@@ -178,8 +177,7 @@ def select(apply: jax.Array, new: Any, old: Any) -> Any:
     else:
         chosen = lax.select(apply, new, old)
     if weak and not jax.typeof(chosen).weak_type:
-        # No public jax function makes an array weakly typed.
-        chosen = _convert_element_type(chosen, weak_type=True)
+        chosen = weakly_typed(chosen)
     return chosen
 
 

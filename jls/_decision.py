@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._finite import all_finite, unscaled_finite, varying_axes
+from jls._compat import varying_axes
+from jls._finite import all_finite, unscaled_finite
 from jls._hooks import Hook, StepInfo, WrapperState
 from jls._rule import LossScaler
 from jls._squares import unscaled_measured, unscaled_norm
@@ -207,17 +208,21 @@ class Decisions:
             out.extend(agreed[i] for i in range(len(group)))
         return out
 
-    def _same(self, values: list[jax.Array]) -> jax.Array:
+    def _same(
+        self, values: list[jax.Array], axes: tuple[str, ...] | None = None
+    ) -> jax.Array:
         """Whether float32 scalar ``values`` are bitwise equal on every replica.
 
-        Over ``axis_name`` only (a model-parallel axis legitimately holds
-        different values), in one collective: the maximum of the bits and
-        of their complement (``~b``, whose maximum is ``~min(b)``).
+        Over ``axes`` (default ``axis_name``): a model-parallel axis
+        legitimately holds different values. One collective: the maximum of
+        the bits and of their complement (``~b``, whose maximum is
+        ``~min(b)``).
         """
-        if not self.axis_name:
+        axes = self.axis_name if axes is None else axes
+        if not axes:
             return jnp.asarray(True)
         bits = lax.bitcast_convert_type(jnp.stack(values), jnp.int32)
-        both = lax.pmax(jnp.concatenate([bits, ~bits]), self.axis_name)
+        both = lax.pmax(jnp.concatenate([bits, ~bits]), axes)
         n = bits.shape[0]
         return jnp.all(both[:n] == bits) & jnp.all(~both[n:] == bits)
 

@@ -107,29 +107,27 @@ def _checked_natively(dtype: Any) -> bool:
 
 
 def sharded_in_its_type(x: jax.Array) -> bool:
-    """Whether ``x``'s type names mesh axes (explicit sharding).
+    """Whether ``x`` may be sharded across devices (it must not be concatenated).
 
-    Such leaves cannot be raveled or concatenated with others without saying
-    how the result is sharded: they are checked one by one.
+    True where its type names mesh axes (explicit sharding), and where it
+    lives on a mesh of several devices with automatic axes (``jit`` over
+    arrays placed with ``NamedSharding``): the type then says nothing, and
+    the partitioner may shard it. A concatenation of sharded leaves gathers
+    them onto every device; such leaves are checked one by one, each
+    reduced where it lies.
     """
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    return any(axis is not None for axis in (spec or ()))
-
-
-def varying_axes(x: jax.Array) -> frozenset[str]:
-    """The ``shard_map`` axes ``x``'s value varies over (empty outside one).
-
-    ``jax.typeof(x).vma`` up to jax 0.9, ``.manual_axis_type.varying`` after.
-    """
-    return varying_of(jax.typeof(x))
-
-
-def varying_of(aval: Any) -> frozenset[str]:
-    """`varying_axes` of an abstract value (``jax.typeof(x)``)."""
-    varying = getattr(aval, "vma", None)
-    if varying is None:
-        varying = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    return frozenset(varying or ())
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if any(axis is not None for axis in (spec or ())):
+        return True
+    mesh = getattr(sharding, "mesh", None)
+    sizes = dict(getattr(mesh, "shape", {}) or {})
+    types = getattr(mesh, "axis_types", ()) or ()
+    names = getattr(mesh, "axis_names", ()) or ()
+    return any(
+        "Auto" in str(kind) and sizes.get(name, 1) > 1
+        for name, kind in zip(names, types, strict=False)
+    )
 
 
 def is_complex(x: jax.Array) -> bool:

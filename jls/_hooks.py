@@ -79,7 +79,8 @@ class StepInfo(NamedTuple):
         replicas: true where any replica's is. For a hook's own values
         computed from each replica's gradients.
       same_on_replicas: whether a list of float32 scalars is bitwise equal
-        on every replica of ``axis_name`` (``True`` without one).
+        on every replica of ``axis_name`` (``True`` without one), or of the
+        axes given as its second argument.
       axis_name: the transformation's ``axis_name``, a tuple (empty without
         one): the axes a hook's own collectives reduce over.
 
@@ -107,7 +108,7 @@ class StepInfo(NamedTuple):
     applied: jax.Array | None
     loss_scale: LossScaleState | None
     any_replica: Callable[[list[jax.Array]], list[jax.Array]]
-    same_on_replicas: Callable[[list[jax.Array]], jax.Array] = lambda values: (
+    same_on_replicas: Callable[..., jax.Array] = lambda values, axes=None: (
         jax.numpy.asarray(True)
     )
     axis_name: tuple[str, ...] = ()

@@ -90,7 +90,7 @@ def loss_scaling(
     max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
     gradient_norm: bool = False,
     skip_spikes: SpikeRule | None = None,
-    check_replicas: bool = False,
+    check_replicas: bool | str | tuple[str, ...] = False,
     hooks: Sequence[Hook] = (),
     donated: bool = False,
     scale_stats: Any = False,
@@ -153,10 +153,14 @@ def loss_scaling(
         gradients (one element per leaf, bitwise) across the replicas and
         count the finite steps where they differ
         (``jls.metrics(...)["replicas_differ"]``, ``["replica_mismatches"]``):
-        data-parallel gradients that were not averaged. One small collective
-        per step. The fingerprint is each leaf's first element: a forgotten
-        average changes every element and is caught; a difference confined
-        to other elements is not. Vetoed finite steps count too.
+        data-parallel gradients that were not averaged. ``True`` compares
+        over the one ``axis_name``; with several (data x model), give the
+        data-parallel ones (``check_replicas="data"``). One small
+        collective per step. The fingerprint is each leaf's first element: a
+        forgotten average changes every element and is caught; a difference
+        confined to other elements is not. Vetoed finite steps count too.
+        Under ``shard_map`` with ``check_vma=True`` jax's types already keep
+        replicas equal: nothing is compared.
       hooks: further `jls.Hook` objects the step consults (a veto of your
         own, say); the arguments above add the built-in ones.
       donated: whether your jitted step donates the parameters and the

@@ -42,10 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._finite import inexact_leaves, is_complex, varying_axes
+from jls._compat import tracked_in, varying_axes
+from jls._finite import inexact_leaves, is_complex
 from jls._hooks import Hook, StepInfo
 from jls._scaling import compute_dtype
-from jls._squares import tracks_varying_axes
+from jls._shards import global_rows
 from jls._tree import plain
 from jls._validate import integer
 
@@ -160,31 +161,26 @@ class ScaleStats(Hook):
     def _measure(self, info: StepInfo) -> tuple[jax.Array, jax.Array]:
         """This step's ``(underflow_fraction, headroom_bits)``."""
         info_ = jnp.finfo(self.dtype)
-        count, size = jnp.float32(0), jnp.float32(0)
-        bits = jnp.float32(jnp.inf)
-        tracked, named = tracks_varying_axes(), tuple(info.axis_name)
-        for x in inexact_leaves(info.grads):
-            if x.size == 0:
-                continue
+        named = tuple(info.axis_name)
+        leaves = [x for x in inexact_leaves(info.grads) if x.size]
+        tracked = tracked_in(leaves, named)
+        rows, varying = [], []
+        for x in leaves:
             wide = compute_dtype(jnp.real(x).dtype)
             # A complex entry's largest component: each overflows on its own.
             a = jnp.abs(x) if not is_complex(x) else _largest_part(x)
             a = a.astype(wide)
             tiny, top = np.asarray(info_.tiny, wide), np.asarray(info_.max, wide)
             h, c = _reduce(a, (a < tiny).astype(jnp.int32))
-            c, n = c.astype(jnp.float32), jnp.float32(x.size)
-            shards = tuple(sorted(varying_axes(x))) if tracked else ()
-            if shards:  # one gradient in shards: add the counts
-                h, c, n = lax.pmax(h, shards), lax.psum(c, shards), lax.psum(n, shards)
-            if named and not tracked:  # replicas (equal: kept) or shards (added)
-                same = (lax.pmax(c, named) == lax.pmin(c, named)) & (
-                    lax.pmax(h, named) == lax.pmin(h, named)
-                )
-                cn = lax.psum(jnp.stack([c, n]), named)
-                c, n = jnp.where(same, c, cn[0]), jnp.where(same, n, cn[1])
-                h = lax.pmax(h, named)
-            leaf_bits = (jnp.log2(top) - jnp.log2(h)).astype(jnp.float32)
-            bits = jnp.minimum(bits, leaf_bits)
+            # Bits short of the top, in the leaf's width: the largest is kept.
+            short = (jnp.log2(h) - jnp.log2(top)).astype(jnp.float32)
+            f32 = jnp.float32
+            rows.append(jnp.stack([c.astype(f32), f32(x.size), short]))
+            varying.append(varying_axes(x) if tracked else frozenset())
+        count, size = jnp.float32(0), jnp.float32(0)
+        bits = jnp.float32(jnp.inf)
+        for c, n, short in global_rows(rows, varying, named, tracked, added=2):
+            bits = jnp.minimum(bits, -short)
             count, size = count + c, size + n
         fraction = jnp.where(size > 0, count / jnp.maximum(size, 1), 0)
         bits = jnp.where(info.finite, bits, -jnp.inf)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jls._compat import varying_axes
 from jls._state import LossScaleState
 from jls._tree import loss_scale_state
 
@@ -167,8 +169,35 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"loss must be a floating array, got dtype {loss.dtype}")
     state = loss_scale_state(opt_state)
+    _warn_varying(loss)
     wide = compute_dtype(loss.dtype)
     return loss.astype(wide) * state.scale.astype(wide)
+
+
+def _warn_varying(loss: jax.Array) -> None:
+    """Warns, at trace time, of a loss whose gradients jax will sum over axes.
+
+    Under ``shard_map(check_vma=True)`` a loss that varies over an axis
+    (each replica's loss on its shard) has, with respect to a parameter
+    replicated over that axis, the gradient of the replicas' SUM: jax adds
+    the replicas' gradients itself, and a ``lax.pmean`` of the result leaves
+    the sum. Nothing later can tell that sum from a mean.
+    """
+    axes = tuple(sorted(varying_axes(loss)))
+    if axes:
+        name = axes[0] if len(axes) == 1 else axes
+        warnings.warn(
+            f"the loss varies over the shard_map axes {axes} (check_vma=True): "
+            "jax.grad adds up the replicas' gradients of every parameter "
+            "replicated over them, so they come out N times the mean, and a "
+            "lax.pmean of them leaves the sum (the learning rate is N times too "
+            "high). Reduce the loss before scaling it: jls.scale_loss(lax.pmean("
+            f"loss, {name!r}), opt_state) for the mean's gradients (lax.psum for "
+            "the sum's), or use jls.train_step(loss_fn, tx, "
+            f"average_over={name!r}), which averages on every mesh",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def unscale(tree: Any, opt_state: Any) -> Any:

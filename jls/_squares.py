@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import config as jax_config
 
+from jls._compat import tracked_in, varying_axes
 from jls._finite import (
     SMALL_LEAF,
     exact,
@@ -38,9 +38,9 @@ from jls._finite import (
     is_complex,
     runs,
     sharded_in_its_type,
-    varying_axes,
 )
 from jls._scaling import compute_dtype, unscale_tree
+from jls._shards import global_rows
 
 
 class Measured(NamedTuple):
@@ -96,16 +96,6 @@ def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
     return jnp.sum(square(jnp.concatenate([p.ravel() for p in pieces])))
 
 
-def tracks_varying_axes() -> bool:
-    """Whether jax records which ``shard_map`` axes each value varies over.
-
-    True inside ``shard_map(..., check_vma=True)`` (the default); under
-    ``pmap``, a named ``vmap`` or ``check_vma=False`` nothing is recorded.
-    """
-    state = getattr(jax_config, "_check_vma", None)
-    return bool(getattr(state, "value", False))
-
-
 def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
@@ -121,17 +111,11 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
     overflow: so finite gradients are never reported non-finite, and their
     norm and range are measured whatever their size.
 
-    Sums over ``shard_map`` axes: a leaf sharded over an axis (its value
-    varies over it) is one gradient in shards, and its sums are added over
-    the axis, whether the axis is in ``named`` or not. Where jax records no
-    varying axes (``pmap``, a named ``vmap``, ``check_vma=False``) a named
-    axis may hold replicas or shards: a reduction whose sums are bitwise
-    equal on every member is taken as replicated (kept), any other as
-    sharded (added). (Shards whose sums of squares are bitwise equal would
-    be read as replicas; under ``shard_map`` keep ``check_vma=True`` to
-    avoid that.)
+    Sums over ``shard_map`` axes: a leaf sharded over an axis is one
+    gradient in shards, and its sums are added over the axis; a replicated
+    one is kept (`jls._shards.global_rows`, on every mesh).
     """
-    tracked = tracks_varying_axes()
+    tracked = tracked_in(leaves, named)
     reductions: list[tuple[list[jax.Array], Any, tuple[str, ...]]] = []
     small: dict[Any, list[jax.Array]] = {}
     group_small = tracked or not named  # replicas and shards must not share one
@@ -176,20 +160,14 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
     finite = functools.reduce(jnp.logical_and, [jnp.isfinite(h) for h in highs])
 
     # Agree: add each reduction's sums over the axes it is sharded on.
+    rows = [
+        jnp.stack([low.astype(f32), high, f32(sum(p.size for p in parts))])
+        for (parts, _, _), low, high in zip(reductions, lows, highs, strict=True)
+    ]
+    varying = [frozenset(shards) for _, _, shards in reductions]
+    rows = global_rows(rows, varying, named, tracked, added=3)
     magnitudes, low_total, high_total = [], f32(0), f32(0)
-    for (parts, _, shards), low, high in zip(reductions, lows, highs, strict=True):
-        low = low.astype(f32)
-        size = jnp.asarray(sum(p.size for p in parts), f32)
-        if shards:
-            low, high, size = (lax.psum(v, shards) for v in (low, high, size))
-        if named and not tracked:
-            pair = jnp.stack([low, high])
-            same = jnp.all(lax.pmax(pair, named) == lax.pmin(pair, named))
-            summed = lax.psum(jnp.stack([low, high, size]), named)
-            low, high, size = (
-                jnp.where(same, own, total)
-                for own, total in zip((low, high, size), summed, strict=True)
-            )
+    for low, high, size in rows:
         rms_low = jnp.sqrt(low / size)
         rms_high = jnp.ldexp(jnp.sqrt(high / size), _HIGH_EXP // 2)
         magnitudes.append(jnp.where(jnp.isfinite(low), rms_low, rms_high))

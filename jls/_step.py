@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jls._average import local, mean
+from jls._compat import pvary, varying_axes
 from jls._scaling import compute_dtype
 from jls._state import LossScaleState
 from jls._transformation import LossScaling
@@ -217,6 +219,7 @@ def train_step(
         # Differentiate the floating arrays only: a whole model (an equinox
         # Module) also holds functions, numbers and integer arrays.
         trainable, rest = split_inexact(params)
+        trainable, summed = local(trainable, average_over)
 
         def grad(b):
             def g(t, *b):
@@ -226,7 +229,7 @@ def train_step(
 
         if k == 1:
             grads, (loss, aux) = grad(batch)
-            return (*averaged(grads, jnp.asarray(loss, jnp.float32)), aux)
+            return (*averaged(grads, jnp.asarray(loss, jnp.float32), summed), aux)
 
         pre = _pow2_at_most_inverse(k)
 
@@ -238,31 +241,26 @@ def train_step(
             return acc, (jnp.asarray(loss, jnp.float32), aux)
 
         micro_batches = _split(tuple(batch), k)
-        first = jax.tree.map(lambda x: x[0], micro_batches)
-        shapes = jax.eval_shape(lambda: grad(first))[0]
+        # The accumulator varies over the axes the gradients do (shard_map).
         zeros = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, compute_dtype(s.dtype)), shapes
+            lambda p: pvary(
+                jnp.zeros(p.shape, compute_dtype(p.dtype)), sorted(varying_axes(p))
+            ),
+            trainable,
         )
         total, (losses, auxes) = lax.scan(micro, zeros, micro_batches)
         # total = sum(g * pre): divide by k * pre (exact, in (1/2, 1]).
         grads = jax.tree.map(
-            lambda t, s: (t / jnp.asarray(k * pre, t.dtype)).astype(s.dtype),
+            lambda t, p: (t / jnp.asarray(k * pre, t.dtype)).astype(p.dtype),
             total,
-            shapes,
+            trainable,
         )
-        return (*averaged(grads, jnp.mean(losses)), auxes)
+        return (*averaged(grads, jnp.mean(losses), summed), auxes)
 
-    def averaged(grads, loss):
+    def averaged(grads, loss, summed):
         if not average_over:
             return grads, loss
-        try:
-            return lax.pmean((grads, loss), average_over)
-        except NameError as e:
-            raise NameError(
-                f"train_step(average_over={average_over!r}): {e}. Run the step "
-                "under jax.pmap or jax.shard_map with that axis name (under jit "
-                "over sharded arrays the gradients are global: drop average_over)"
-            ) from e
+        return mean(grads, loss, average_over, summed)
 
     def step(params, opt_state, *batch):
         state = scaling._check_state(opt_state)

@@ -99,7 +99,7 @@ class LossScaling(Decisions):
         max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
         gradient_norm: bool = False,
         skip_spikes: SpikeRule | None = None,
-        check_replicas: bool = False,
+        check_replicas: bool | str | tuple[str, ...] = False,
         donated: bool = False,
         scale_stats: Any = False,
     ) -> None:

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "jls"
 
 # Lowest first: a module may import only from layers below its own.
 LAYERS = [
-    ["jls._validate"],
+    ["jls._validate", "jls._compat", "jls._shards"],
     ["jls._state"],
     ["jls._tree"],
     ["jls._scaling"],
@@ -36,7 +36,7 @@ LAYERS = [
         "jls._replicas",
         "jls._scale_stats",
     ],
-    ["jls._builtins", "jls._inner", "jls._cond", "jls._off"],
+    ["jls._builtins", "jls._inner", "jls._cond", "jls._off", "jls._average"],
     ["jls._decision", "jls._compensated"],
     ["jls._transformation"],
     ["jls._loss_scaling"],

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jls
 from jls._replicas import fingerprint
@@ -69,9 +70,13 @@ def test_a_skipped_step_is_not_counted():
 
 
 def test_check_replicas_needs_an_axis_name():
-    with pytest.raises(ValueError, match="check_replicas=True compares the replicas"):
+    with pytest.raises(ValueError, match="check_replicas compares the replicas"):
         jls.loss_scaling(optax.sgd(0.1), check_replicas=True)
-    with pytest.raises(TypeError, match="check_replicas must be a bool"):
+    with pytest.raises(ValueError, match="check_replicas compares the replicas"):
+        jls.loss_scaling(optax.sgd(0.1), check_replicas="b")
+    with pytest.raises(TypeError, match="check_replicas must be a bool, an axis"):
+        jls.loss_scaling(optax.sgd(0.1), axis_name="b", check_replicas=1)
+    with pytest.raises(ValueError, match=r"check_replicas='yes' must name axes of"):
         jls.loss_scaling(optax.sgd(0.1), axis_name="b", check_replicas="yes")
 
 
@@ -96,3 +101,52 @@ def test_differing_bits_are_seen_where_values_compare_equal():
     assert same(jnp.array([0.0, -0.0])).tolist() == [False, False]
     assert same(jnp.array([1.0, 1.0])).tolist() == [True, True]
     assert same(jnp.array([jnp.nan, jnp.nan])).tolist() == [True, True]
+
+
+def _two_axes(check, average):
+    """A data x model mesh of named vmaps (no varying axes recorded).
+
+    The gradients are sharded over "model" and averaged, or not, over "data".
+    """
+    tx = jls.loss_scaling(
+        optax.sgd(0.1),
+        jls.no_scale(),
+        axis_name=("data", "model"),
+        check_replicas=check,
+    )
+    grads = jnp.arange(1.0, 25.0).reshape(2, 3, 4)  # [data, model, leaf]
+    if average:
+        grads = jnp.broadcast_to(grads.mean(0), grads.shape)
+
+    def step(g):
+        _, state = tx.update({"w": g}, tx.init({"w": g}), {"w": g})
+        return jls.metrics(state)["replica_mismatches"]
+
+    inner = jax.vmap(step, axis_name="model")
+    return jax.vmap(inner, axis_name="data")(grads)
+
+
+def test_on_two_axes_only_the_named_data_axis_is_compared():
+    assert _two_axes("data", average=True).tolist() == [[0, 0, 0]] * 2
+    assert _two_axes("data", average=False).tolist() == [[1, 1, 1]] * 2
+
+
+def test_check_replicas_true_on_two_untracked_axes_names_the_fix():
+    with pytest.raises(ValueError, match="check_replicas='data'"):
+        _two_axes(True, average=True)
+
+
+def test_under_check_vma_replicas_are_equal_by_type_and_nothing_is_compared():
+    mesh = jax.make_mesh((1,), ("data",))
+    tx = jls.loss_scaling(
+        optax.sgd(0.1), jls.no_scale(), axis_name="data", check_replicas=True
+    )
+    p = {"w": jnp.ones(3)}
+
+    def step(p, s):
+        return tx.update({"w": jnp.full(3, 2.0)}, s, p)[1]
+
+    step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    jaxpr = jax.make_jaxpr(step)(p, tx.init(p))
+    assert "pmax" not in str(jaxpr)  # no comparison was made
+    assert int(jls.metrics(jax.jit(step)(p, tx.init(p)))["replica_mismatches"]) == 0

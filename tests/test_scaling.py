@@ -169,3 +169,34 @@ def test_the_default_scaler_unscales_with_one_multiplication():
 
     one = multiplies(jls.dynamic_scale())
     assert one == multiplies(jls.dynamic_scale(max_scale=float(F32_MAX))) - 1
+
+
+def _scale_in_shard_map(reduce, check_vma):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",))
+    state = jls.static_scale(4.0).init()
+
+    def body(x):
+        loss = jnp.sum(x)
+        if reduce:
+            loss = jax.lax.pmean(loss, "data")
+        return jls.scale_loss(loss, state)[None]
+
+    x = jax.device_put(jnp.ones(2), NamedSharding(mesh, P("data")))
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=check_vma
+    )
+    return float(jax.jit(f)(x)[0])
+
+
+def test_a_loss_varying_over_a_shard_map_axis_is_warned_about():
+    with pytest.warns(UserWarning, match=r"varies over the shard_map axes \('data',\)"):
+        assert _scale_in_shard_map(reduce=False, check_vma=True) == 8.0
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_reduced_loss_or_untracked_axes_scale_silently(check_vma):
+    assert _scale_in_shard_map(reduce=True, check_vma=check_vma) == 8.0
+    assert _scale_in_shard_map(reduce=False, check_vma=False) == 8.0

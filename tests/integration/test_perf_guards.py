@@ -351,3 +351,54 @@ def test_many_small_leaves_hold_no_copy_of_the_gradients():
     # every gradient (4.9 MB).
     held = temp(fused, tx.init(params)) - temp(plain, inner.init(params))
     assert held <= cap + 2**16
+
+
+# -- On a mesh -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh_collectives():
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent / "scripts" / "mesh_hlo.py"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _scalars(all_reduces):
+    """The all-reduces of scalars only (one, or a tuple XLA combined)."""
+
+    def scalars_only(shape):
+        parts = re.sub(r"/\*.*?\*/", "", shape).strip("()").split(", ")
+        return all(re.fullmatch(r"\w+\[\](\{\})?", p.strip()) for p in parts)
+
+    return [s for s in all_reduces if scalars_only(s)]
+
+
+@pytest.mark.parametrize("rule", ["dynamic", "measured"])
+def test_the_mesh_step_decides_with_scalar_all_reduces_and_gathers_nothing(
+    mesh_collectives, rule
+):
+    # The compiled 8-device data x model step of examples/mesh_lm.py: jls's
+    # decision is one all-reduce of scalars (the measured rule's range one
+    # more), plain optax makes none, and no gradient is gathered (small
+    # leaves that may be sharded are not concatenated).
+    plain = mesh_collectives["plain"]
+    jls_step = mesh_collectives[rule]
+    extra = 1 if rule == "dynamic" else 2
+    assert _scalars(plain["all_reduce"]) == []
+    assert len(_scalars(jls_step["all_reduce"])) == extra
+    assert len(jls_step["all_reduce"]) == len(plain["all_reduce"]) + extra
+    assert jls_step["all_gather"] == plain["all_gather"]

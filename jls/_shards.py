@@ -1,0 +1,81 @@
+"""One gradient in shards: per-device statistics made global, on any mesh.
+
+What jls measures of the gradients (the sum of squares behind the norm and
+the measured rule, the scale statistics' counts) is computed per device, one
+row per reduction. A reduction over a gradient sharded across devices sees
+one shard, and its rows must be added over the axes it is sharded on; a
+reduction over a replicated gradient must be kept as it is (adding it would
+count it once per replica). `global_rows` does both, on every mesh:
+
+* Where jax records the varying axes (``shard_map`` with ``check_vma=True``)
+  a reduction's axes are its gradient's: its rows are added over exactly
+  those, in one collective per distinct set of axes.
+* Where it records none (``pmap``, a named ``vmap``, ``check_vma=False``)
+  every named axis may hold replicas or shards, and each axis is decided on
+  its own (a data x model mesh holds replicas over one and shards over the
+  other): a row bitwise equal on every member of the axis is a replica's
+  (kept), any other a shard's (added), three collectives per axis for all
+  reductions together. Shards whose rows are bitwise equal read as
+  replicas; keep ``check_vma=True`` to avoid that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def global_rows(
+    rows: Sequence[jax.Array],
+    varying: Sequence[frozenset[str]],
+    named: tuple[str, ...],
+    tracked: bool,
+    *,
+    added: int,
+) -> list[jax.Array]:
+    """Per-device rows of statistics, one per reduction, made global.
+
+    Args:
+      rows: per reduction, a float32 vector: its first ``added`` entries add
+        over shards (sums, counts, sizes), the rest take the maximum over
+        shards and replicas alike (the largest magnitude).
+      varying: per reduction, the ``shard_map`` axes its gradient varies over
+        (read where ``tracked``).
+      named: the axes named by the caller (``axis_name``).
+      tracked: whether jax records varying axes (`jls._compat`).
+      added: how many leading entries of each row add.
+
+    Returns:
+      The rows over the whole gradients, equal on every device.
+    """
+    out = list(rows)
+    if tracked:
+        # Rows are stacked only with rows of the same axes: a stack of rows
+        # varying over other axes would vary over them all.
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, axes in enumerate(varying):
+            if axes:
+                groups.setdefault(tuple(sorted(axes)), []).append(i)
+        for axes, members in groups.items():
+            merged = _reduce(jnp.stack([out[i] for i in members]), axes, added)
+            for j, i in enumerate(members):
+                out[i] = merged[j]
+        return out
+    if not named or not out:
+        return out
+    stacked = jnp.stack(out)
+    for axis in named:
+        same = jnp.all(lax.pmax(stacked, axis) == lax.pmin(stacked, axis), axis=1)
+        stacked = jnp.where(same[:, None], stacked, _reduce(stacked, axis, added))
+    return list(stacked)
+
+
+def _reduce(stacked: jax.Array, axes: str | tuple[str, ...], added: int) -> jax.Array:
+    """``stacked``'s first ``added`` columns summed over ``axes``, the rest maxed."""
+    summed = lax.psum(stacked[:, :added], axes)
+    if added == stacked.shape[1]:
+        return summed
+    return jnp.concatenate([summed, lax.pmax(stacked[:, added:], axes)], axis=1)
