@@ -237,8 +237,11 @@ def _floating(var: Any) -> bool:
 
 
 def _live(jaxpr: Any) -> set[int]:
-    """The equations whose results are used (an unused one, which
-    differentiation leaves behind, never runs: XLA removes it)."""
+    """The ids of the equations whose results are used.
+
+    An unused one, which differentiation leaves behind, never runs: XLA
+    removes it.
+    """
     used = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     alive: set[int] = set()
     for eqn in reversed(jaxpr.eqns):
