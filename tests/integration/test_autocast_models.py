@@ -29,6 +29,8 @@ Y = jax.random.randint(jax.random.key(2), (256,), 0, 10)
 
 
 class MLP(nn.Module):
+    """The issue's model: a float32 ReLU MLP."""
+
     @nn.compact
     def __call__(self, x):
         for width in (64, 64):
@@ -71,6 +73,8 @@ def test_the_readme_pattern_gives_a_float32_accurate_loss_on_a_linen_mlp():
 
 
 class BatchNet(nn.Module):
+    """A linen model with BatchNorm (a mutable collection)."""
+
     @nn.compact
     def __call__(self, x, train):
         x = nn.Dense(16)(x)
@@ -100,6 +104,8 @@ def test_linen_with_mutable_batch_stats():
 
 
 class NnxNet(nnx.Module):
+    """An nnx model with state its forward pass updates: BatchNorm, Dropout."""
+
     def __init__(self, rngs):
         self.a = nnx.Linear(32, 16, rngs=rngs)
         self.bn = nnx.BatchNorm(16, rngs=rngs)
@@ -147,6 +153,8 @@ def test_nnx_under_nnx_jit_and_grad_trains_in_float16():
 
 
 class EqxNet(eqx.Module):
+    """An equinox model with a State (BatchNorm) and a function leaf."""
+
     first: eqx.nn.Linear
     norm: eqx.nn.BatchNorm
     last: eqx.nn.Linear
