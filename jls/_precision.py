@@ -34,22 +34,9 @@ from jax.extend.core import Literal
 
 from jls._primitives import COLLECTIVES, FLOAT32, MATMULS
 
-# Low-precision numerics worth knowing about (information, not errors).
-_NOTED = frozenset(
-    {
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_prod",
-        "cumsum",
-        "cumlogsumexp",
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "logistic",
-    }
-)
+# Low-precision numerics worth knowing about (information, not errors): the
+# ops autocast would compute in float32, found in float16 or bfloat16.
+_NOTED = FLOAT32
 _LOW = frozenset({"float16", "bfloat16"})
 # Frames inside these packages are not where a user's layer is written.
 _LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "optax", "jls", "haiku")
@@ -79,8 +66,9 @@ class PrecisionReport:
     Attributes:
       counts: dtype name -> how many matmuls and convolutions compute in it.
       ops: every matmul and convolution, in program order.
-      info: low-precision reductions, ``exp``/``log``/``logistic`` and
-        softmaxes (float16 or bfloat16): information, not errors.
+      info: the ops that need range or precision (sums, ``exp``/``log``,
+        ``logistic``, squares, softmaxes) found in float16 or bfloat16, with
+        their lines: information, not errors.
       numerics: op -> dtype name -> count, for the ops that need range or
         precision (``softmax``, ``exp``, ``log``, ``reduce_sum``,
         ``square``...: the ones `jls.autocast` computes in float32), in every
