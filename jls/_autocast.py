@@ -123,7 +123,8 @@ def _autocast_call(fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> 
         returned.append((static, out_def, arrays_out))
         return [x for x, t in zip(out_leaves, arrays_out, strict=True) if t]
 
-    arrays = [x for x, t in zip(leaves, traced, strict=True) if t]
+    # numpy arrays as jax sees them (float64 read as float32 without x64).
+    arrays = [jnp.asarray(x) for x, t in zip(leaves, traced, strict=True) if t]
     closed = jax.make_jaxpr(flat)(*arrays)
     static, out_def, arrays_out = returned[0]
     # Each result in the dtype fn returns it in (a constant result comes back

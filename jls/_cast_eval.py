@@ -90,7 +90,7 @@ def _dtype(value: Any, aval: Any) -> np.dtype:
 
 
 def _cast(value: Any, aval: Any, dtype: Any) -> Any:
-    if _dtype(value, aval) == dtype and isinstance(value, jax.Array):
+    if _dtype(value, aval) == dtype:  # unchanged (a literal is bound as it is)
         return value
     return jax.lax.convert_element_type(value, dtype)
 
