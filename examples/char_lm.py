@@ -10,7 +10,10 @@ side, with Adam:
 - ``f16``: float16 compute, plain optax, no loss scaling;
 - ``f16-jls``: float16 compute, ``jls.dynamic_scale()`` with the fused step.
 
-Compute precision comes from a jmp-style policy (``jls.get_policy``). It
+Compute precision comes from a jmp-style policy (``jls.get_policy``),
+casting the forward pass's arguments (``policy.cast_arguments``): the forward
+keeps its norms' statistics and its softmax in float32 itself, and the loss
+is computed outside it, in float32 (``policy.wrap`` would cast per op). It
 prints a progress line per mode, then a table (final training and held-out
 loss in float32, skipped steps, final scale, seconds), and writes
 ``char_lm.png`` (loss and loss-scale curves) to ``--out`` when matplotlib is
@@ -131,7 +134,7 @@ def make_loss(cfg: Config, mode: str):
     policy = jls.get_policy(f"p=f32,c={MODES[mode]},o=f32")
 
     def loss_fn(params, tokens):
-        logits = policy.wrap(functools.partial(forward, heads=cfg.heads))(
+        logits = policy.cast_arguments(functools.partial(forward, heads=cfg.heads))(
             params, tokens[:, :-1]
         )
         return optax.softmax_cross_entropy_with_integer_labels(

@@ -1,7 +1,8 @@
 """Train an equinox MLP in float16 with jls: the standard equinox loop.
 
-Float32 master weights (the Module as created), float16 compute through a
-jmp-style casting policy (``jls.get_policy``), dynamic loss scaling, and the
+Float32 master weights (the Module as created), float16 matmuls through a
+jmp-style casting policy (``jls.get_policy``; ``policy.wrap`` casts per op,
+the loss in float32), dynamic loss scaling, and the
 fused step on the whole Module: ``jls.apply_gradients`` takes the Module as
 it is (its activation function and other non-array leaves pass through), so
 no ``eqx.partition``/``eqx.combine`` is needed. The scale starts high on
@@ -49,7 +50,7 @@ def main(argv=None) -> dict:
     tx = jls.loss_scaling(optax.adam(3e-3), scaler)
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
 
-    @policy.wrap  # the forward pass in float16, the loss back in float32
+    @policy.wrap  # the matmuls in float16, the prediction back in float32
     def predict(model, x):
         return jax.vmap(model)(x)
 

@@ -3,8 +3,11 @@
 The model makes its own carry inside ``__call__``: in float32 it would promote
 every hidden-state matmul back to float32 (``jls.precision_report`` shows
 it), so the carry is made in the input's dtype, which the casting policy
-sets to float16. Float32 master weights, float16 compute, dynamic loss
-scaling, the fused step on the whole Module. The task: is a noisy sine wave
+sets to float16 (``policy.cast_arguments``, jmp's argument casting; the
+loss is computed outside, in float32). ``policy.wrap`` casts per op instead,
+at each matmul, and a float32 carry is no trap there. Float32 master
+weights, float16 compute, dynamic loss scaling, the fused step on the whole
+Module. The task: is a noisy sine wave
 rising or falling at the end of the window.
 
 Run: ``python examples/equinox_gru.py`` (``--help`` lists the options).
@@ -66,7 +69,7 @@ def make_step(compute: str, tx: Any) -> Any:
     def loss_fn(model, xs, ys):
         # The model is an argument of the wrapped function: the policy casts
         # its weights too.
-        logits = policy.wrap(lambda m, xs: jax.vmap(m)(xs))(model, xs)
+        logits = policy.cast_arguments(lambda m, xs: jax.vmap(m)(xs))(model, xs)
         return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, ys))
 
     def step(model, opt_state, xs, ys):

@@ -4,7 +4,8 @@ Wrap any optax optimizer with `loss_scaling`, multiply the loss by the
 current scale with `scale_loss`, and jls unscales, checks, skips and adjusts
 inside ``jit``. `apply_gradients` is the fused path and `train_step` a whole
 step built on it; the rules are `dynamic_scale`, `measured_scale`,
-`static_scale`, `no_scale` and the `presets`; `Hook` is the seam every
+`static_scale`, `no_scale` and the `presets`; `autocast` and `Policy` cast
+the model to half precision per op; `Hook` is the seam every
 optional feature (and a user's own veto) plugs into. ``docs/design.md`` says
 why each public name exists.
 """
@@ -12,6 +13,7 @@ why each public name exists.
 import warnings
 
 from jls import presets
+from jls._autocast import autocast
 from jls._checkpoint import upgrade_state
 from jls._compensated import compensated, stochastic_rounding
 from jls._diagnostics import nonfinite_paths
@@ -47,6 +49,7 @@ __all__ = [
     "SpikeRule",
     "all_finite",
     "apply_gradients",
+    "autocast",
     "compensated",
     "dynamic_scale",
     "get_policy",

@@ -9,25 +9,35 @@ and bool arrays, Python numbers, functions and any other leaf pass through
 as the same object, so an equinox ``Module`` (an immutable pytree) is cast
 as it is.
 
-A flax ``nnx`` Module is refused: casting it builds a copy, and its forward
-pass would then update the copy's BatchNorm statistics, Dropout RNG counts
-and other variables while the caller's Module kept stale ones, with a loss
-that looks normal. nnx computes in float16 through its layers' own
-``dtype=jnp.float16, param_dtype=jnp.float32``; the error says so.
-`jls.precision_report` shows which dtype each matmul really runs in.
+`Policy.wrap` casts per op (`jls.autocast`): matmuls in the compute dtype,
+softmax, ``exp``/``log``, sums and the loss in float32, the results in the
+output dtype. `Policy.cast_arguments` is the older, jmp-style wrapper that
+casts the arguments only, so every op inside runs in the compute dtype, the
+loss's log-softmax and mean included: on a float16 MLP trained to a small
+loss, the loss it reports is off by most of its value.
+
+The ``cast_to_*`` methods refuse a flax nnx Module: casting it builds a copy,
+and its forward pass would then update the copy's BatchNorm statistics,
+Dropout RNG counts and other variables while the caller's Module kept stale
+ones, with a loss that looks normal. `Policy.wrap` takes one (it runs the
+function on the Module's state and writes the new state back); nnx layers
+also compute in float16 through their own ``dtype=jnp.float16,
+param_dtype=jnp.float32``. `jls.precision_report` shows which dtype each
+matmul really runs in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jls._autocast import autocast, floating_dtype, is_nnx_module
 
 T = TypeVar("T")
 
@@ -60,33 +70,19 @@ def _parse_dtype(name: str, policy: str) -> np.dtype:
         ) from None
 
 
-def _floating(name: str, dtype: Any) -> np.dtype:
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{name} must be a floating dtype, got {dtype!r}") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a floating dtype, got {dtype}")
-    return dtype
-
-
-def _is_nnx_module(x: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Module)
-
-
 def _refuse_nnx_modules(tree: Any) -> None:
-    found = jax.tree.leaves(tree, is_leaf=_is_nnx_module)
-    modules = [x for x in found if _is_nnx_module(x)]
+    found = jax.tree.leaves(tree, is_leaf=is_nnx_module)
+    modules = [x for x in found if is_nnx_module(x)]
     if modules:
         raise TypeError(
             f"a jls.Policy cannot cast a flax nnx Module ({type(modules[0]).__name__}):"
             " it would run a cast copy, and the forward pass's state updates "
             "(BatchNorm statistics, Dropout RNG counts, your own Variables) would "
-            "land on the copy, not on your model. Give the layers their compute "
-            "dtype instead: nnx.Linear(..., dtype=jnp.float16, "
-            "param_dtype=jnp.float32), and cast inputs with policy.cast_to_compute"
-            "(x); check the result with jls.precision_report(fn, model, x)"
+            "land on the copy, not on your model. Use policy.wrap(fn) (it runs fn "
+            "on the Module's state and writes the new state back), or give the "
+            "layers their compute dtype: nnx.Linear(..., dtype=jnp.float16, "
+            "param_dtype=jnp.float32); check the result with "
+            "jls.precision_report(fn, model, x)"
         )
 
 
@@ -132,7 +128,8 @@ class Policy:
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            object.__setattr__(self, field, _floating(field, getattr(self, field)))
+            dtype = floating_dtype(field, getattr(self, field))
+            object.__setattr__(self, field, dtype)
 
     def cast_to_param(self, tree: T) -> T:
         """``tree`` with its floating arrays in ``param_dtype``."""
@@ -151,15 +148,45 @@ class Policy:
         return dataclasses.replace(self, output_dtype=output_dtype)
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` autocast to ``compute_dtype``, its results in ``output_dtype``.
+
+        Inside, matmuls and convolutions compute in ``compute_dtype``; softmax,
+        ``exp``/``log``, sums, means and norms (so the loss) in float32;
+        everything else in the dtype its operands bring (`jls.autocast`).
+        The arguments are not cast: the parameters stay in ``param_dtype``,
+        so their gradients do too. Wrap the loss (the README's pattern): it
+        then comes back float32-accurate with float16 matmuls. For jmp's
+        argument casting, use `cast_arguments`.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, jls
+          >>> policy = jls.get_policy("p=f32,c=f16,o=f32")
+          >>> loss = policy.wrap(lambda w, x: jax.nn.logsumexp(x @ w))
+          >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+          >>> report = jls.precision_report(loss, w, x)
+          >>> report.counts, report.numerics["log"], loss(w, x).dtype.name
+          ({'float16': 1}, {'float32': 1}, 'float32')
+        """
+        cast = autocast(fn, self.compute_dtype)
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return self.cast_to_output(cast(*args, **kwargs))
+
+        return wrapped
+
+    def cast_arguments(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with its arguments cast to compute and its results to output.
 
-        Wrap the model's forward pass (or the loss) with it; the parameters
-        stay in ``param_dtype`` outside, so their gradients do too.
+        jmp's way: every op inside ``fn`` runs in ``compute_dtype``, the
+        loss's log-softmax, exponentials and mean included, and arrays
+        ``fn`` makes itself or closes over keep their own dtype. Wrap a
+        forward pass with it, not a loss; `wrap` casts per op.
 
         Example:
           >>> import jax.numpy as jnp, jls
           >>> policy = jls.get_policy("c=f16,o=f32")
-          >>> f = policy.wrap(lambda w, x: (w * x).dtype.name)
+          >>> f = policy.cast_arguments(lambda w, x: (w * x).dtype.name)
           >>> f(jnp.ones(2), jnp.ones(2))
           'float16'
         """

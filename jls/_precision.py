@@ -7,10 +7,16 @@ the computation back to float32, and the loss looks normal. The report
 traces the function (nothing is executed: ``jax.make_jaxpr``), walks every
 nested program (``jit``, ``scan``, ``while``, ``cond``, ``remat``,
 ``custom_jvp``/``custom_vjp``; ``vmap`` is already applied in the trace),
-and counts the ``dot_general`` and convolution operations by the dtype they
-compute in, with the source line of each. Arguments may be whole models:
-an equinox or flax ``nnx`` Module (its arrays are traced, everything else is
-closed over).
+and counts the matmul-like operations (every dot and convolution primitive
+jax has: ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``,
+the fused and scaled ones; `jls._primitives.MATMULS`) by the dtype they
+compute in, with the source line of each. Beside them it counts the ops
+that need range or precision (softmax, ``exp``, ``log``, sums: the list
+`jls.autocast` keeps in float32) by dtype, so a report shows the float32
+ones next to the float16 matmuls, and it lists the collectives
+(``psum``, ``all_gather``, ...) with the dtype each sends. Arguments may be
+whole models: an equinox or flax ``nnx`` Module (its arrays are traced,
+everything else is closed over).
 """
 
 from __future__ import annotations
@@ -24,24 +30,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
-_MATMULS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot"})
-# Low-precision numerics worth knowing about (information, not errors).
-_NOTED = frozenset(
-    {
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_prod",
-        "cumsum",
-        "cumlogsumexp",
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "logistic",
-    }
-)
+from jls._primitives import COLLECTIVES, FLOAT32, MATMULS
+
+# Low-precision numerics worth knowing about (information, not errors): the
+# ops autocast would compute in float32, found in float16 or bfloat16.
+_NOTED = FLOAT32
 _LOW = frozenset({"float16", "bfloat16"})
 # Frames inside these packages are not where a user's layer is written.
 _LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "optax", "jls", "haiku")
@@ -51,8 +46,8 @@ class Op(NamedTuple):
     """One operation of the traced program.
 
     Attributes:
-      kind: the primitive (``dot_general``, ``conv_general_dilated``), or
-        ``softmax`` for a softmax found by its pattern.
+      kind: the primitive (``dot_general``, ``conv_general_dilated``,
+        ``psum``), or ``softmax`` for a softmax found by its pattern.
       dtype: the dtype it computes in: its operands' common dtype (for a
         matmul of a float16 and a float32 operand, float32).
       where: ``file:line`` of the innermost frame outside jax and the model
@@ -71,13 +66,24 @@ class PrecisionReport:
     Attributes:
       counts: dtype name -> how many matmuls and convolutions compute in it.
       ops: every matmul and convolution, in program order.
-      info: low-precision reductions, ``exp``/``log``/``logistic`` and
-        softmaxes (float16 or bfloat16): information, not errors.
+      info: the ops that need range or precision (sums, ``exp``/``log``,
+        ``logistic``, squares, softmaxes) found in float16 or bfloat16, with
+        their lines: information, not errors.
+      numerics: op -> dtype name -> count, for the ops that need range or
+        precision (``softmax``, ``exp``, ``log``, ``reduce_sum``,
+        ``square``...: the ones `jls.autocast` computes in float32), in every
+        dtype: where the loss and its softmax really ran.
+      collectives: every ``psum``, ``all_gather``, ``psum_scatter``
+        (``reduce_scatter``), ``all_to_all``, ``ppermute``... of the program
+        (``shard_map``, ``pmap``), one per dtype it sends: float16 gradients
+        all-reduced in float16 show here.
     """
 
     counts: dict[str, int]
     ops: tuple[Op, ...]
     info: tuple[Op, ...]
+    numerics: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    collectives: tuple[Op, ...] = ()
 
     @property
     def majority(self) -> str | None:
@@ -111,9 +117,18 @@ class PrecisionReport:
         if off:
             rows.append(f"not in {majority}:")
             rows += [f"  {op.kind} {op.dtype} at {op.where}" for op in off]
+        if self.numerics:
+            rows.append("range-sensitive ops (softmax, exp, log, sums) by dtype:")
+            rows += [
+                f"  {kind:<14}" + "  ".join(f"{d} {n}" for d, n in sorted(by.items()))
+                for kind, by in sorted(self.numerics.items())
+            ]
         if self.info:
             rows.append("low-precision numerics (information, not errors):")
             rows += [f"  {op.kind} {op.dtype} at {op.where}" for op in self.info]
+        if self.collectives:
+            rows.append("collectives:")
+            rows += [f"  {op.kind} {op.dtype} at {op.where}" for op in self.collectives]
         return "\n".join(rows)
 
 
@@ -185,6 +200,8 @@ def _after_reduce_max(eqn: Any, producers: dict[Any, Any], depth: int = 6) -> bo
     todo = [(v, depth) for v in eqn.invars]
     while todo:
         var, left = todo.pop()
+        if isinstance(var, Literal):  # a constant (unhashable on jax 0.8)
+            continue
         source = producers.get(var)
         if source is None or left == 0:
             continue
@@ -195,31 +212,70 @@ def _after_reduce_max(eqn: Any, producers: dict[Any, Any], depth: int = 6) -> bo
     return False
 
 
-def _walk(jaxpr: Any, ops: list[Op], info: list[Op]) -> None:
+class _Found(NamedTuple):
+    ops: list[Op]
+    info: list[Op]
+    numerics: Counter
+    collectives: list[Op]
+
+
+def _floating(var: Any) -> bool:
+    dtype = getattr(var.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _live(jaxpr: Any) -> set[int]:
+    """The ids of the equations whose results are used.
+
+    An unused one, which differentiation leaves behind, never runs: XLA
+    removes it.
+    """
+    used = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    alive: set[int] = set()
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in used for v in eqn.outvars):
+            alive.add(id(eqn))
+            used.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return alive
+
+
+def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
+    alive = _live(jaxpr)
     producers: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         for out in eqn.outvars:
             producers[out] = eqn
         name = eqn.primitive.name
         dtype = eqn.invars[0].aval.dtype.name if eqn.invars else "?"
-        if name in _MATMULS:
+        softmax = name == "exp" and _after_reduce_max(eqn, producers)
+        live = id(eqn) in alive
+        if name in MATMULS:
             # The operands' common dtype: jnp feeds dot_general a float16 and
             # a float32 operand as they are, and it computes in float32.
             operands = [v.aval.dtype for v in eqn.invars[:2]]
             dtype = np.dtype(jnp.promote_types(*operands)).name
-            ops.append(Op(name, dtype, _where(eqn)))
-        elif name in _NOTED and dtype in _LOW:
-            softmax = name == "exp" and _after_reduce_max(eqn, producers)
-            info.append(Op("softmax" if softmax else name, dtype, _where(eqn)))
+            found.ops.append(Op(name, dtype, _where(eqn)))
+        elif name in COLLECTIVES:
+            for sent in sorted({v.aval.dtype.name for v in eqn.invars if _floating(v)}):
+                found.collectives.append(Op(name, sent, _where(eqn)))
+        elif name in _NOTED and dtype in _LOW and not in_softmax and live:
+            kind = "softmax" if softmax else name
+            found.info.append(Op(kind, dtype, _where(eqn)))
+        counted = name in FLOAT32 and live and not in_softmax
+        if counted and eqn.invars and _floating(eqn.invars[0]):
+            found.numerics[("softmax" if softmax else name, dtype)] += 1
         subs = [s for v in eqn.params.values() for s in _subjaxprs(v)]
         if name.startswith("custom_jvp") and subs and _is_softmax(subs[0]):
+            # A softmax with its own derivative: counted once, as a softmax;
+            # its matmuls count, its exp and sums are the softmax.
             if dtype in _LOW:
-                info.append(Op("softmax", dtype, _where(eqn)))
-            for sub in subs:  # its matmuls count; its exp/sums are the softmax
-                _walk(sub, ops, [])
+                found.info.append(Op("softmax", dtype, _where(eqn)))
+            found.numerics[("softmax", dtype)] += 1
+            for sub in subs:
+                _walk(sub, found, in_softmax=True)
             continue
         for sub in subs:
-            _walk(sub, ops, info)
+            _walk(sub, found, in_softmax)
 
 
 def precision_report(
@@ -229,9 +285,13 @@ def precision_report(
 
     Traces ``fn`` (nothing is executed) through every nested program and
     through equinox and flax ``nnx`` Modules passed as arguments, and counts
-    its ``dot_general`` and convolution operations by the dtype they compute
-    in. Pass the model as an argument: a model closed over is traced as
-    constants, and so is reported in whatever dtype it holds.
+    its matmul-like operations (``dot_general``, convolutions,
+    ``ragged_dot_general``...) by the dtype they compute in; beside them the
+    ops that need range or precision (softmax, ``exp``, ``log``, sums) by
+    dtype, and the collectives with the dtype each sends. Pass the model as
+    an argument: under argument casting (`jls.Policy.cast_arguments`) a model
+    closed over is traced as constants, and so is reported in whatever dtype
+    it holds.
 
     Args:
       fn: the function to trace: a forward pass, a loss, a whole train step.
@@ -240,23 +300,36 @@ def precision_report(
       **kwargs: its keyword arguments, likewise.
 
     Returns:
-      A `PrecisionReport`: ``.counts`` by dtype name, ``str(report)`` a short
-      table with the ``file:line`` of every op not in the majority dtype,
-      ``.check(dtype)`` raising unless every op computes in ``dtype``.
+      A `PrecisionReport`: ``.counts`` by dtype name, ``.numerics`` and
+      ``.collectives``, ``str(report)`` a short table with the ``file:line``
+      of every op not in the majority dtype, ``.check(dtype)`` raising
+      unless every matmul computes in ``dtype``.
 
     Example:
-      >>> import jax.numpy as jnp, jls
+      >>> import jax, jax.numpy as jnp, jls
       >>> policy = jls.get_policy("params=float32,compute=float16,output=float32")
       >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
-      >>> jls.precision_report(policy.wrap(lambda w, x: x @ w), w, x).counts
-      {'float16': 1}
-      >>> closed = policy.wrap(lambda x: x @ w)  # w closed over: stays float32
+      >>> loss = lambda w, x: jax.nn.logsumexp(x @ w)
+      >>> report = jls.precision_report(policy.wrap(loss), w, x)
+      >>> report.counts, report.numerics["exp"], report.numerics["reduce_sum"]
+      ({'float16': 1}, {'float32': 1}, {'float32': 1})
+      >>> args_only = jls.precision_report(policy.cast_arguments(loss), w, x)
+      >>> args_only.counts, args_only.numerics["exp"]  # the loss in float16 too
+      ({'float16': 1}, {'float16': 1})
+      >>> closed = policy.cast_arguments(lambda x: x @ w)  # w closed over
       >>> jls.precision_report(closed, x).counts
       {'float32': 1}
     """
     jaxpr = _trace(fn, args, kwargs)
-    ops: list[Op] = []
-    info: list[Op] = []
-    _walk(jaxpr.jaxpr, ops, info)
-    counts = dict(Counter(op.dtype for op in ops))
-    return PrecisionReport(counts=counts, ops=tuple(ops), info=tuple(info))
+    found = _Found([], [], Counter(), [])
+    _walk(jaxpr.jaxpr, found)
+    numerics: dict[str, dict[str, int]] = {}
+    for (kind, dtype), n in sorted(found.numerics.items()):
+        numerics.setdefault(kind, {})[dtype] = n
+    return PrecisionReport(
+        counts=dict(Counter(op.dtype for op in found.ops)),
+        ops=tuple(found.ops),
+        info=tuple(found.info),
+        numerics=numerics,
+        collectives=tuple(found.collectives),
+    )

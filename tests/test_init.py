@@ -33,6 +33,7 @@ def test_public_names():
         "SpikeRule",
         "all_finite",
         "apply_gradients",
+        "autocast",
         "compensated",
         "dynamic_scale",
         "get_policy",

@@ -160,10 +160,10 @@ def test_an_equinox_module_is_cast_as_it_is():
     assert out.dtype == jnp.float32
 
 
-def test_wrap_computes_in_compute_precision_and_differentiates():
+def test_cast_arguments_computes_in_compute_precision_and_differentiates():
     policy = jls.get_policy("c=f16,o=f32")
 
-    @policy.wrap
+    @policy.cast_arguments
     def loss(w, x):
         assert w.dtype == x.dtype == jnp.float16
         return jnp.sum(w * x)
@@ -193,18 +193,18 @@ def test_weakly_typed_arrays_become_strong_as_with_jmp(cast):
     assert traced(weak)
 
 
-def test_an_nnx_module_is_refused_with_the_nnx_way():
+def test_an_nnx_module_is_refused_by_argument_casting_with_the_nnx_way():
     from flax import nnx
 
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     policy = jls.get_policy("params=float32,compute=float16,output=float32")
     for call in (
         lambda: policy.cast_to_compute(model),
-        lambda: policy.wrap(lambda m, x: m(x))(model, jnp.ones((1, 2))),
+        lambda: policy.cast_arguments(lambda m, x: m(x))(model, jnp.ones((1, 2))),
         lambda: policy.cast_to_param({"model": model}),
     ):
         with pytest.raises(
-            TypeError, match=r"nnx Module \(Linear\).*dtype=jnp.float16"
+            TypeError, match=r"nnx Module \(Linear\).*policy.wrap\(fn\).*float16"
         ):
             call()
     # A state (a pure pytree of arrays) is cast as it is.

@@ -3,10 +3,13 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 # pyright: reportCallIssue=false, reportIndexIssue=false
 
+import re
+
 import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
@@ -59,8 +62,8 @@ def test_nested_programs_are_walked():
 
 def test_a_closed_over_model_is_reported_in_its_own_dtype():
     w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
-    passed = jls.precision_report(POLICY.wrap(lambda w, x: x @ w), w, x)
-    closed = jls.precision_report(POLICY.wrap(lambda x: x @ w), x)
+    passed = jls.precision_report(POLICY.cast_arguments(lambda w, x: x @ w), w, x)
+    closed = jls.precision_report(POLICY.cast_arguments(lambda x: x @ w), x)
     assert passed.counts == {"float16": 1}
     assert closed.counts == {"float32": 1}
     message = r"1 of 1 matmuls/convolutions do not compute in float16:\n"
@@ -68,6 +71,8 @@ def test_a_closed_over_model_is_reported_in_its_own_dtype():
     with pytest.raises(ValueError, match=message):
         closed.check(F16)
     passed.check(F16)  # quietly
+    # Autocast casts at the matmul: a closed-over model is float16 too.
+    jls.precision_report(POLICY.wrap(lambda x: x @ w), x).check(F16)
 
 
 def test_an_equinox_gru_with_a_float32_carry():
@@ -89,7 +94,7 @@ def test_an_equinox_gru_with_a_float32_carry():
 
     # The carry made inside the model in float32 promotes every matmul back.
     def forward(carry_dtype):
-        return POLICY.wrap(lambda m, xs: m(xs, carry_dtype))
+        return POLICY.cast_arguments(lambda m, xs: m(xs, carry_dtype))
 
     bad = jls.precision_report(forward(jnp.float32), model, xs)
     good = jls.precision_report(forward(jnp.float16), model, xs)
@@ -99,6 +104,9 @@ def test_an_equinox_gru_with_a_float32_carry():
     assert good.counts == {"float16": sum(bad.counts.values())}
     assert "not in float16" in str(bad) or "not in float32" in str(bad)
     assert "not in float16" not in str(good)
+    # Autocast casts at each matmul: the float32 carry is no trap.
+    autocast = POLICY.wrap(lambda m, xs: m(xs, jnp.float32))
+    jls.precision_report(autocast, model, xs).check(F16)
 
 
 def test_an_nnx_model_with_layer_dtypes():
@@ -153,9 +161,9 @@ def test_softmax_and_low_precision_reductions_are_information():
 
     report = jls.precision_report(fn, jnp.ones((3, 3), F16))
     kinds = {op.kind for op in report.info}
-    # jnp.sum upcasts a float16 sum to float32: not listed; the softmax's max
-    # and exp, and the other exp, are float16.
-    assert kinds == {"softmax", "exp", "reduce_max"}
+    # jnp.sum upcasts a float16 sum to float32: not listed; the softmax's
+    # exp, and the other exp, are float16 (its max is exact in any dtype).
+    assert kinds == {"softmax", "exp"}
     assert all(op.dtype == "float16" for op in report.info)
     report.check(F16)  # information never fails the check
     text = str(report)
@@ -178,3 +186,86 @@ def test_a_function_without_matmuls_fails_the_check():
     assert report.counts == {}
     with pytest.raises(ValueError, match="no matmul or convolution was traced"):
         report.check(F16)
+
+
+def test_a_float32_ragged_dot_fails_the_float16_check():
+    # An MoE layer's experts: a float32 ragged dot among float16 matmuls.
+    x, w = jnp.ones((6, 4), F16), jnp.ones((4, 8), F16)
+    experts = jnp.ones((3, 8, 5))
+    sizes = jnp.array([2, 2, 2], jnp.int32)
+
+    def fn(x, w, experts, sizes):
+        h = (x @ w).astype(jnp.float32)
+        return jax.lax.ragged_dot(h, experts, sizes)
+
+    report = jls.precision_report(fn, x, w, experts, sizes)
+    assert report.counts == {"float16": 1, "float32": 1}
+    assert [op.kind for op in report.ops] == ["dot_general", "ragged_dot_general"]
+    with pytest.raises(ValueError, match="ragged_dot_general in float32 at"):
+        report.check(F16)
+    cast = jls.precision_report(POLICY.wrap(fn), x, w, experts, sizes)
+    cast.check(F16)
+
+
+def test_the_float32_kept_ops_are_listed_beside_the_matmuls():
+    w, x, y = jnp.ones((3, 4)), jnp.ones((2, 3)), jnp.array([0, 1])
+
+    def loss(w, x, y):
+        logits = x @ w
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    kept = jls.precision_report(POLICY.wrap(loss), w, x, y)
+    assert kept.counts == {"float16": 1}
+    # The log-softmax's exp (labelled softmax where optax's pattern shows
+    # one), its log and the sums, all float32.
+    assert {"log", "reduce_sum"} <= set(kept.numerics)
+    assert {"exp", "softmax"} & set(kept.numerics)
+    assert all(set(by) == {"float32"} for by in kept.numerics.values()), kept
+    text = str(kept)
+    assert "range-sensitive ops (softmax, exp, log, sums) by dtype:" in text
+    assert re.search(r"\n  log +float32 1\n", text), text
+    # Argument casting runs the loss's exp and log in float16: shown too.
+    cast = jls.precision_report(POLICY.cast_arguments(loss), w, x, y)
+    exp = cast.numerics.get("exp") or cast.numerics["softmax"]
+    assert set(exp) == set(cast.numerics["log"]) == {"float16"}
+
+
+def test_a_softmax_is_counted_as_one_softmax():
+    report = jls.precision_report(lambda x: jax.nn.softmax(x).sum(), jnp.ones((2, 3)))
+    assert report.numerics["softmax"] == {"float32": 1}
+    assert "exp" not in report.numerics
+
+
+def test_collectives_are_listed_with_the_dtype_they_send():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def body(g, h):
+        return (
+            jax.lax.psum(g, "b"),
+            jax.lax.all_gather(h, "b", tiled=True),
+            jax.lax.psum_scatter(g, "b", tiled=True),
+            jax.lax.ppermute(g, "b", [(0, 0)]),
+            jax.lax.all_to_all(h, "b", 0, 0, tiled=True),
+            jax.lax.psum((g, h), "b"),
+        )
+
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=P("b"), out_specs=P("b"), check_vma=False
+        )
+    )
+    report = jls.precision_report(step, jnp.ones(4, F16), jnp.ones(4))
+    found = [(op.kind, op.dtype) for op in report.collectives]
+    assert found == [
+        ("psum", "float16"),
+        ("all_gather", "float32"),
+        ("reduce_scatter", "float16"),
+        ("ppermute", "float16"),
+        ("all_to_all", "float32"),
+        ("psum", "float16"),
+        ("psum", "float32"),
+    ]
+    assert all(op.where.startswith("test_precision.py:") for op in report.collectives)
+    assert "collectives:\n  psum float16 at test_precision.py:" in str(report)

@@ -267,6 +267,17 @@ def test_the_policy_cell_prints_what_it_says():
     assert outputs[-1].strip() == f"{comment.group(1)} {comment.group(2)}"
 
 
+def test_the_autocast_cell_prints_what_it_says():
+    ns, outputs = run("howto/policy.md")
+    report = ns["report"]
+    assert report.counts == {"float16": 2}  # the cell's comment
+    assert all(set(by) == {"float32"} for by in report.numerics.values())
+    assert outputs[0].splitlines() == [
+        "{'float16': 2}",
+        "{'float32': 1} {'float32': 2}",
+    ]
+
+
 def test_the_spike_cell_has_the_metrics_it_names():
     ns, _ = run("howto/spikes.md")
     m = ns["m"]
@@ -381,7 +392,7 @@ def test_the_signatures_shown_are_the_real_ones():
                 assert key in parameters, f"{name} has no argument {key}"
                 real = parameters[key].default
                 if shown and real is not None and real is not inspect.Parameter.empty:
-                    value = eval(shown, {"float16": jnp.float16})
+                    value = eval(shown, {"float16": jnp.float16, "jnp": jnp})
                     assert value == real, f"{name}: {key}={shown}, not {real!r}"
                 checked += 1
     assert checked >= 30

@@ -100,5 +100,9 @@ def test_the_policy_refuses_what_would_lose_nnx_state():
     model, _ = ex["build"](jnp.float32, 0)
     policy = jls.get_policy("params=float32,compute=float16,output=float32")
     with pytest.raises(TypeError, match="dtype=jnp.float16"):
-        policy.wrap(lambda m, x: m(x))(model, jnp.ones((2, 8)))
+        policy.cast_arguments(lambda m, x: m(x))(model, jnp.ones((2, 8)))
     assert isinstance(model, nnx.Module)
+    # policy.wrap runs on the Module's state and writes it back.
+    before = jnp.copy(model.bn.mean[...])
+    policy.wrap(lambda m, x: m(x))(model, jnp.ones((2, 8)))
+    assert not np.array_equal(model.bn.mean[...], before)

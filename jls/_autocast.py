@@ -1,0 +1,175 @@
+"""`autocast`: matmuls in half precision, the ops that need range in float32.
+
+Casting a function's arguments (``jmp``'s way, `jls.Policy.cast_arguments`)
+runs every op inside in the compute dtype: the matmuls, where float16 pays,
+but also the log-softmax, the exponentials and the mean of the loss, where
+float16's 11 bits and its range of 65504 lose the result. `autocast` casts
+per op instead, as torch's ``autocast`` does: it traces the function once
+(``jax.make_jaxpr``, in the dtypes it is called with) and runs the traced
+program again with matmuls and convolutions in the compute dtype, softmax,
+``exp``/``log``, sums and means, norms and the loss in float32, and every
+other op in the dtype its operands bring (`jls._cast_eval` has the rules).
+Nested ``jit``, ``scan``, ``while``, ``cond`` and ``checkpoint`` programs
+follow the same rules; ``custom_jvp``/``custom_vjp`` functions run as
+written. The result has the structure and dtypes ``fn`` returns, and
+``jax.grad`` of it runs the backward matmuls in the compute dtype too.
+
+Arguments are whole pytrees: parameters, a batch, an equinox Module (its
+arrays are traced, its other leaves passed as they are), flax linen's
+variables with ``mutable`` collections. A flax nnx Module, a mutable
+object, is split into its state (``nnx.split``), run on a merged copy, and
+its state after the call (BatchNorm statistics, RNG counts) written back
+into the caller's Module (``nnx.update``), as calling ``fn`` would.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jls._cast_eval import evaluate
+
+
+def floating_dtype(name: str, dtype: Any) -> np.dtype:
+    """``dtype`` as a numpy dtype, refused unless floating (``name`` in the error)."""
+    if dtype is None:  # numpy reads None as float64
+        raise TypeError(f"{name} must be a floating dtype, got None")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name} must be a floating dtype, got {dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, got {dtype}")
+    return dtype
+
+
+def is_nnx_module(x: Any) -> bool:
+    """Whether ``x`` is a flax nnx Module (flax imported or not)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Module)
+
+
+def _is_traced(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., Any]:
+    """``fn`` with its matmuls in ``dtype`` and its range-sensitive ops in float32.
+
+    Inside, ``dot_general`` (``@``, ``einsum``, dense layers), convolutions
+    and ragged dots compute in ``dtype``; softmax, log-softmax, logsumexp,
+    ``exp``/``log``/``log1p``/``sigmoid``, powers and squares, ``rsqrt``,
+    sums, means, products and cumulative sums (so cross-entropy, mean
+    squared error and normalisation statistics) compute in float32; every
+    other op computes in the dtype of its operands, so a float32 chain stays
+    float32 until the next matmul casts down. The parameters stay as they are
+    (float32 master weights: their gradients come back in float32). The
+    function is traced once per call, when its caller is traced: under
+    ``jit`` a step compiles once.
+
+    Args:
+      fn: the function: a loss, a forward pass, a flax ``apply``.
+      dtype: the compute dtype of the matmuls (float16, bfloat16).
+
+    Returns:
+      A function with ``fn``'s signature, returning what ``fn`` returns, in
+      the dtypes ``fn`` returns it in.
+
+    Raises:
+      TypeError: if ``fn`` is not callable or ``dtype`` is not floating.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jls
+      >>> def loss(w, x):
+      ...     return jax.nn.logsumexp(x @ w)
+      >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+      >>> report = jls.precision_report(jls.autocast(loss, jnp.float16), w, x)
+      >>> report.counts, report.numerics["exp"], report.numerics["log"]
+      ({'float16': 1}, {'float32': 1}, {'float32': 1})
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {fn!r}")
+    dtype = floating_dtype("dtype", dtype)
+
+    @functools.wraps(fn)
+    def cast_fn(*args: Any, **kwargs: Any) -> Any:
+        found = jax.tree.leaves((args, kwargs), is_leaf=is_nnx_module)
+        modules = list({id(m): m for m in found if is_nnx_module(m)}.values())
+        if modules:
+            return _with_nnx(fn, dtype, modules, args, kwargs)
+        return _autocast_call(fn, dtype, args, kwargs)
+
+    return cast_fn
+
+
+def _autocast_call(fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    traced = [_is_traced(x) for x in leaves]
+    returned: list[Any] = []
+
+    def flat(*arrays: Any) -> list:
+        it = iter(arrays)
+        full = [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
+        a, k = jax.tree.unflatten(treedef, full)
+        out_leaves, out_def = jax.tree.flatten(fn(*a, **k))
+        arrays_out = [isinstance(x, jax.Array) for x in out_leaves]
+        static = [None if t else x for x, t in zip(out_leaves, arrays_out, strict=True)]
+        returned.append((static, out_def, arrays_out))
+        return [x for x, t in zip(out_leaves, arrays_out, strict=True) if t]
+
+    # numpy arrays as jax sees them (float64 read as float32 without x64).
+    arrays = [jnp.asarray(x) for x, t in zip(leaves, traced, strict=True) if t]
+    closed = jax.make_jaxpr(flat)(*arrays)
+    static, out_def, arrays_out = returned[0]
+    # Each result in the dtype fn returns it in (a constant result comes back
+    # from the program as a Python scalar).
+    results = iter(
+        x
+        if isinstance(x, jax.Array) and x.dtype == v.aval.dtype
+        else jax.lax.convert_element_type(x, v.aval.dtype)
+        for x, v in zip(
+            evaluate(closed, arrays, dtype), closed.jaxpr.outvars, strict=True
+        )
+    )
+    out = [next(results) if t else x for x, t in zip(static, arrays_out, strict=True)]
+    return jax.tree.unflatten(out_def, out)
+
+
+class _Slot:
+    """Where an nnx Module stood in the arguments (a static leaf)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _with_nnx(
+    fn: Callable, dtype: np.dtype, modules: list, args: tuple, kwargs: dict
+) -> Any:
+    from flax import nnx
+
+    index = {id(m): i for i, m in enumerate(modules)}
+    slotted = jax.tree.map(
+        lambda x: _Slot(index[id(x)]) if is_nnx_module(x) else x,
+        (args, kwargs),
+        is_leaf=is_nnx_module,
+    )
+    graphdef, state = nnx.split(modules)
+
+    def pure(state: Any, slotted: Any) -> Any:
+        copies = nnx.merge(graphdef, state)
+        a, k = jax.tree.map(
+            lambda x: copies[x.index] if isinstance(x, _Slot) else x,
+            slotted,
+            is_leaf=lambda x: isinstance(x, _Slot),
+        )
+        return fn(*a, **k), nnx.state(copies)
+
+    out, after = _autocast_call(pure, dtype, (state, slotted), {})
+    nnx.update(modules, after)
+    return out

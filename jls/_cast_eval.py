@@ -1,0 +1,265 @@
+"""The interpreter behind `jls.autocast`: a traced program run again, op by op.
+
+`evaluate` runs a closed jaxpr (the function traced once, in the dtypes it
+was called with) on the same arguments, binding each primitive again with
+its operands cast by three rules:
+
+- a matmul (`jls._primitives.CAST`: ``dot_general``, convolutions,
+  ``ragged_dot_general``) gets its floating operands in the compute dtype,
+  and its output follows (a ``preferred_element_type`` that only restated
+  the operands' dtype is dropped; one that asked for more is kept);
+- an op that needs range or precision (`jls._primitives.FLOAT32`: ``exp``,
+  ``log``, sums, squares...) gets its floating operands in float32 at least;
+- every other op takes its operands as they come, and where the program
+  traced them in one dtype and they now differ (a float16 matmul output
+  plus a float32 bias) they are promoted to the widest, as jax promotes
+  (a weakly typed value, and a scalar the program inlined, ``h * 2.0``,
+  takes the other operands' dtype). A float32 chain so stays float32 until
+  the next matmul casts down.
+
+Nested programs are run by the same rules through the public API that made
+them: ``jit`` inline, ``scan``, ``while_loop``, ``cond``/``switch``,
+``checkpoint`` (its policy kept), so a float16 matmul inside a scanned,
+rematerialised layer is float16 too, and ``jax.grad`` of the result
+differentiates float16 matmuls into float16 matmuls. A loop's carry and a
+branch's outputs keep the dtypes they were traced in (the loop then has one
+type). An op that holds a program or a rule of its own (``custom_jvp``,
+``custom_vjp``: ``jax.nn.relu``, a fused kernel; ``shard_map``; a callback)
+runs as traced, on its operands cast back to the traced dtypes, so its
+custom derivative is the one it was written with. So does an op that
+refuses the changed dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+from jls._primitives import CAST, FLOAT32
+
+_F32 = np.dtype(np.float32)
+
+
+def evaluate(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
+    """``closed`` (a ``ClosedJaxpr``) run on ``args``, autocast to ``dtype``."""
+    return _eval(closed.jaxpr, closed.consts, args, dtype)
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) -> list:
+    env: dict[Any, Any] = {}
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    # Drop each value after its last use (an eager call holds no more than
+    # jax's own evaluation would).
+    last = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if _is_var(v)}
+    outputs = {v for v in jaxpr.outvars if _is_var(v)}
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [v.val if isinstance(v, jcore.Literal) else env[v] for v in eqn.invars]
+        info = eqn.source_info
+        names = source_info_util.current_name_stack() + info.name_stack
+        with source_info_util.user_context(info.traceback, name_stack=names):
+            outs = _apply(eqn, invals, dtype)
+        env.update(zip(eqn.outvars, outs, strict=True))
+        for v in eqn.invars:
+            if _is_var(v) and last.get(v) == i and v not in outputs:
+                env.pop(v, None)
+    return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jcore.Literal)
+
+
+def _is_weak(v: Any) -> bool:
+    return isinstance(v, jcore.Literal) or v.aval.weak_type
+
+
+def _floating(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _dtype(value: Any, aval: Any) -> np.dtype:
+    """The dtype ``value`` has now (a Python scalar: the one it was traced as)."""
+    return np.dtype(getattr(value, "dtype", aval.dtype))
+
+
+def _cast(value: Any, aval: Any, dtype: Any) -> Any:
+    if _dtype(value, aval) == dtype:  # unchanged (a literal is bound as it is)
+        return value
+    return jax.lax.convert_element_type(value, dtype)
+
+
+def _as_traced(eqn: Any, invals: Sequence[Any]) -> list:
+    """The operands cast back to the dtypes the program traced them in."""
+    return [
+        _cast(x, v.aval, v.aval.dtype) if _floating(v.aval.dtype) else x
+        for v, x in zip(eqn.invars, invals, strict=True)
+    ]
+
+
+def _bind(eqn: Any, invals: Sequence[Any], params: dict | None = None) -> list:
+    # As jax's own evaluation binds an equation: get_bind_params turns a
+    # program parameter into the function bind takes (jax 0.8 returns it
+    # apart, 0.9 on inside the parameters).
+    bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bound)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
+    """Operands traced in one dtype brought to one dtype again (the widest)."""
+    groups: dict[np.dtype, list[int]] = {}
+    for i, v in enumerate(eqn.invars):
+        if _floating(v.aval.dtype):
+            groups.setdefault(np.dtype(v.aval.dtype), []).append(i)
+    out = list(invals)
+    for members in groups.values():
+        now = [_dtype(out[i], eqn.invars[i].aval) for i in members]
+        # A literal is a scalar the program inlined (``h * 2.0``): weak, as
+        # jax types a Python scalar, whatever dtype the trace gave it.
+        weak = [_is_weak(eqn.invars[i]) for i in members]
+        strong = [d for d, w in zip(now, weak, strict=True) if not w]
+        target = jnp.result_type(*(strong or now))
+        if floor is not None:
+            target = jnp.promote_types(target, floor)
+        for i in members:
+            out[i] = _cast(out[i], eqn.invars[i].aval, target)
+    return out
+
+
+def _holds_program(value: Any) -> bool:
+    """Whether a parameter is a program, a function or a typed result."""
+    if isinstance(value, (tuple, list)):
+        return any(_holds_program(v) for v in value)
+    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)) or callable(value):
+        return True
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def _apply(eqn: Any, invals: list, dtype: Any) -> list:
+    name = eqn.primitive.name
+    if name in _NESTED:
+        return _NESTED[name](eqn, invals, dtype)
+    if name in CAST:
+        return _matmul(eqn, invals, dtype)
+    if any(_holds_program(v) for v in eqn.params.values()):
+        return _bind(eqn, _as_traced(eqn, invals))
+    square = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x
+    floor = _F32 if name in FLOAT32 or square else None
+    try:
+        return _bind(eqn, _promote(eqn, invals, floor))
+    except (TypeError, ValueError):  # an op that takes only its traced dtypes
+        return _bind(eqn, _as_traced(eqn, invals))
+
+
+def _matmul(eqn: Any, invals: list, dtype: Any) -> list:
+    a, b = (v.aval.dtype for v in eqn.invars[:2])
+    if not (_floating(a) and _floating(b)):  # an integer (quantised) matmul
+        return _bind(eqn, _as_traced(eqn, invals))
+    operands = zip(invals[:2], eqn.invars[:2], strict=True)
+    invals = [_cast(x, v.aval, dtype) for x, v in operands] + list(invals[2:])
+    params = dict(eqn.params)
+    preferred = params.get("preferred_element_type")
+    if preferred is not None and np.dtype(preferred) == jnp.promote_types(a, b):
+        params["preferred_element_type"] = None  # it restated the operands' dtype
+    return _bind(eqn, invals, params)
+
+
+def _run(closed: Any, dtype: Any, keep: Sequence[Any] | None = None) -> Callable:
+    """``closed`` as a function, its outputs cast to ``keep``'s dtypes if given."""
+
+    def fn(*args: Any) -> list:
+        outs = _eval(closed.jaxpr, closed.consts, args, dtype)
+        if keep is None:
+            return outs
+        return [
+            _cast(x, v.aval, v.aval.dtype) if _floating(v.aval.dtype) else x
+            for x, v in zip(outs, keep, strict=True)
+        ]
+
+    return fn
+
+
+def _jit(eqn: Any, invals: list, dtype: Any) -> list:
+    return _run(eqn.params["jaxpr"], dtype)(*invals)
+
+
+def _checkpoint(eqn: Any, invals: list, dtype: Any) -> list:
+    p = eqn.params
+    closed = jcore.ClosedJaxpr(p["jaxpr"], ())
+    fn = jax.checkpoint(
+        _run(closed, dtype), prevent_cse=p["prevent_cse"], policy=p["policy"]
+    )
+    return list(fn(*invals))
+
+
+def _scan(eqn: Any, invals: list, dtype: Any) -> list:
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
+    carry_vars = eqn.invars[n_consts : n_consts + n_carry]
+    init = [
+        _cast(x, v.aval, v.aval.dtype) for x, v in zip(init, carry_vars, strict=True)
+    ]
+    inner = _run(p["jaxpr"], dtype)
+
+    def body(carry: list, x: list) -> tuple[list, list]:
+        outs = inner(*consts, *carry, *x)
+        kept = [
+            _cast(c, v.aval, v.aval.dtype)
+            for c, v in zip(outs[:n_carry], carry_vars, strict=True)
+        ]
+        return kept, outs[n_carry:]
+
+    carry, ys = jax.lax.scan(
+        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    return [*carry, *ys]
+
+
+def _while(eqn: Any, invals: list, dtype: Any) -> list:
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+    carry_vars = eqn.invars[nc + nb :]
+    init = [
+        _cast(x, v.aval, v.aval.dtype) for x, v in zip(init, carry_vars, strict=True)
+    ]
+    cond, body = _run(p["cond_jaxpr"], dtype), _run(p["body_jaxpr"], dtype, carry_vars)
+    return list(
+        jax.lax.while_loop(
+            lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), init
+        )
+    )
+
+
+def _cond(eqn: Any, invals: list, dtype: Any) -> list:
+    index, *operands = invals
+    branches = [_run(b, dtype, eqn.outvars) for b in eqn.params["branches"]]
+    return list(jax.lax.switch(index, branches, *operands))
+
+
+_NESTED: dict[str, Callable[[Any, list, Any], list]] = {
+    "jit": _jit,
+    "pjit": _jit,
+    "closed_call": lambda eqn, invals, dtype: _run(eqn.params["call_jaxpr"], dtype)(
+        *invals
+    ),
+    "remat2": _checkpoint,
+    "checkpoint": _checkpoint,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}

@@ -1,0 +1,100 @@
+"""Which jax primitives are matmuls, which need float32, which are collectives.
+
+`jls.autocast` casts by these lists and `jls.precision_report` counts by
+them, so what one does the other shows. They hold primitive names, not
+objects: a name absent from the installed jax (``scaled_dot`` before 0.9,
+the cuDNN attention primitives) costs nothing, and jls reads no private jax
+to find them. ``tests/test_primitives.py`` enumerates the installed jax's
+own primitives and fails on any matmul-like or collective one not named
+here, so a new primitive in a later jax is classified before it is missed.
+"""
+
+from __future__ import annotations
+
+# The matmuls autocast computes in the compute dtype: their first two
+# operands are cast, and their output follows (torch autocast's float16 list:
+# matmul, linear, einsum, bmm, conv*).
+CAST = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+# Every matmul-like primitive, counted by `precision_report` by the dtype it
+# computes in: the cast ones, and the fused and block-scaled ones (cuDNN
+# attention, scaled matmuls) autocast leaves in the dtype they are called in.
+MATMULS = CAST | frozenset(
+    {
+        "scaled_dot",
+        "scaled_matmul",
+        "scaled_matmul_wrapper",
+        "dot_product_attention_fwd",
+        "dot_product_attention_fwd_wrapper",
+        "dot_product_attention_bwd",
+        "dot_product_attention_bwd_wrapper",
+        "dot_product_attention_fp8_fwd",
+        "dot_product_attention_fp8_fwd_wrapper",
+        "dot_product_attention_fp8_bwd",
+        "dot_product_attention_fp8_bwd_wrapper",
+    }
+)
+
+# The ops that need float32's range or precision, computed by autocast in
+# float32 (at least): torch autocast's float32 list (exp, log, pow, rsqrt,
+# sums, products, cumulative sums, the losses, softmax, log-softmax,
+# logsumexp, the norms) as the jax primitives those are made of. A softmax,
+# a log-softmax, a cross-entropy, a mean or a variance is made of these
+# (``exp``, ``log``, ``reduce_sum``, ``square``), so it lands in float32
+# however it is written; what follows stays float32 until a matmul casts
+# down.
+FLOAT32 = frozenset(
+    {
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "logistic",
+        "pow",
+        "integer_pow",
+        "square",
+        "rsqrt",
+        "tan",
+        "sinh",
+        "cosh",
+        "asin",
+        "acos",
+        "erf_inv",
+        "reduce_sum",
+        "reduce_prod",
+        "reduce_window_sum",
+        "cumsum",
+        "cumprod",
+        "cumlogsumexp",
+    }
+)
+
+# Primitives that move data between devices (shard_map, pmap): the report
+# lists each with the dtype it sends. jit's own collectives, which XLA adds
+# from shardings, are not in the traced program.
+COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "unreduced_psum",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "pbroadcast",
+        "pgather",
+        "preduced",
+        "psend",
+        "precv",
+        "all_gather",
+        "all_gather_invariant",
+        "all_gather_reduced",
+        "all_to_all",
+        "ragged_all_to_all",
+        "reduce_scatter",
+        "unreduced_reduce_scatter",
+    }
+)
+# jax 0.10's asynchronous halves (``psum_start``/``psum_done``, ...) of these.
+COLLECTIVES |= frozenset(f"{n}_start" for n in COLLECTIVES)
+COLLECTIVES |= frozenset(f"{n}_done" for n in COLLECTIVES if not n.endswith("_start"))
