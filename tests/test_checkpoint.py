@@ -176,3 +176,48 @@ def test_only_jls_fields_may_be_missing(tmp_path):
     jls.upgrade_state(raw, target)  # the right target
     with pytest.raises(KeyError, match="no place for"):
         jls.upgrade_state({**raw, "extra": jnp.ones(2)}, target)
+
+
+def test_a_jls_0_3_checkpoint_resumes_bitwise():
+    # tests/data/jls_0_3_checkpoint.py wrote both files with jls 0.3: a state
+    # with every built-in hook after 5 steps (one skipped), and the step
+    # after it. Restored without a target and upgraded onto this jls's
+    # structure, the same step gives the same bits.
+    import pathlib
+
+    from flax import serialization
+
+    data = pathlib.Path(__file__).parent / "data"
+    raw = serialization.msgpack_restore(
+        (data / "jls_0_3_checkpoint.msgpack").read_bytes()
+    )
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+    tx = jls.loss_scaling(
+        optax.adam(1e-2),
+        jls.dynamic_scale(2.0**8, growth_interval=2),
+        diagnostics=True,
+        gradient_norm=True,
+        skip_spikes=jls.SpikeRule(warmup=2),
+        scale_stats=True,
+    )
+    tree = jls.upgrade_state(raw, {"params": params, "opt_state": tx.init(params)})
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 3.0 * 2.0**8), params)
+    step = jax.jit(lambda p, s, g: jls.apply_gradients(tx, g, s, p, loss=1.0))
+    new_params, new_state = step(tree["params"], tree["opt_state"], g)
+    want = np.load(data / "jls_0_3_next_step.npz")
+    got = {
+        "['params']": new_params,
+        "['opt_state'].loss_scale": new_state.loss_scale,
+        "['opt_state'].inner_state": new_state.inner_state,
+    }
+    for prefix, tree in got.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            key = prefix + jax.tree_util.keystr(path)
+            np.testing.assert_array_equal(np.asarray(leaf), want[key], err_msg=key)
+    m = jls.metrics(new_state)
+    assert float(m["gradient_norm"]) == float(
+        want["['opt_state'].hooks['gradient_norm']"]
+    )
+    assert bool(m["diverged"]) == bool(want["['opt_state'].hooks['divergence']"])
+    hooks = "['opt_state'].hooks"
+    assert int(m["total_spikes"]) == int(want[f"{hooks}['spikes'].total_spikes"])
