@@ -5,7 +5,16 @@ import runpy
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_fp16.py"
+
+
+@pytest.fixture(autouse=True)
+def _examples_importable(monkeypatch):
+    # ``python examples/x.py`` puts examples/ on sys.path; runpy does not, and
+    # the examples import the shared model (``from mlp import ...``).
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
 
 
 def test_example_trains_and_reports():
