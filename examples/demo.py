@@ -201,9 +201,9 @@ def make_optimizer(mode: str, config: Config) -> optax.GradientTransformation:
         )
         # scale_stats: jls's own view of the scale, read by the table's note
         # and the plot (it changes nothing in the step).
-        return jls.loss_scaling(adam, scaler, scale_stats=True)
+        return jls.loss_scaling(adam, scaler, scale_stats=True, donated=True)
     if mode == "bf16":
-        return jls.loss_scaling(adam, jls.no_scale())
+        return jls.loss_scaling(adam, jls.no_scale(), donated=True)
     return adam
 
 
