@@ -140,7 +140,7 @@ def _check_node(node: Any, key: Any) -> None:
         "or passes on the loss-scaled gradients, or acts on steps jls skips. "
         f"{_INSIDE}jls.loss_scaling(<the wrapper>(inner), scaler)",
         UserWarning,
-        stacklevel=5,
+        stacklevel=6,  # the user's call of scale_loss, metrics, ...
     )
 
 

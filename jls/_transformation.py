@@ -225,7 +225,7 @@ class LossScaling(Decisions):
         if self.scaler.is_identity:  # scale 1: any pairing is right
             warn_float16(grads, off=is_off(self.scaler, self.hooks))
         else:
-            check_scaled_with(state.loss_scale.scale, stacklevel=5)
+            check_scaled_with(state.loss_scale.scale, stacklevel=4)
         loss, args = self._pop_loss(extra_args)
         if is_off(self.scaler, self.hooks):
             return off_step(self.inner, grads, state, params, args, fused, loss)
