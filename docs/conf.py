@@ -5,14 +5,15 @@ Build it strictly (every warning and every broken cross-reference fails)::
     pip install -e ".[docs]"
     sphinx-build -W --keep-going -n -b html docs docs/_build/html
 
-The MyST pages' ``{code-cell}`` cells run on every build (a failing cell
-fails it); the notebooks in ``notebooks/`` are copied in at build time and
-shown without running them (the test suite executes them).
+The MyST pages' ``{code-cell}`` cells and the notebooks in ``notebooks/``
+(copied in at build time; committed without outputs) run on every build, so
+the site shows every output and plot, and a failing cell fails the build.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import pathlib
 import shutil
 
@@ -62,15 +63,22 @@ for _stale in NOTEBOOKS.glob("*.ipynb"):
     if not (ROOT / "notebooks" / _stale.name).exists():
         _stale.unlink()
 
+# The notebooks import the demo's model and data (examples/demo.py,
+# examples/mlp.py): the kernels the build starts inherit this path.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(ROOT / "examples"), os.environ.get("PYTHONPATH")])
+)
+
 # -- myst-nb ------------------------------------------------------------------
-# Every build runs the pages' code cells ("force": no execution cache to go
-# stale; Sphinx still skips pages it does not read again), each cell with a
-# time limit, and a cell that raises fails the build. The notebooks are not
-# run here: tests/integration/test_notebooks.py executes them.
+# Every build runs the pages' code cells and the notebooks ("force": no
+# execution cache to go stale; Sphinx still skips pages it does not read
+# again), each cell with a time limit, and a cell that raises fails the
+# build: the site shows what each cell prints and plots, as it runs today.
+# (tests/integration/test_notebooks.py runs the notebooks too.)
 nb_execution_mode = "force"
 nb_execution_raise_on_error = True
-nb_execution_timeout = 120
-nb_execution_excludepatterns = ["notebooks/*"]
+nb_execution_timeout = 300
+nb_execution_excludepatterns: list[str] = []
 # Each page runs in a fresh temporary folder: nothing a cell writes lands in
 # the source tree, and a page runs again cleanly.
 nb_execution_in_temp = True

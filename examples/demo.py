@@ -322,7 +322,8 @@ def train_mode(
             record = (loss, jnp.float32(1.0), ~jls.all_finite(grads), nan, nan)
         return (params, opt_state), record
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnums=3)
+    # Not donated, so jls's default skip (donated=False) is the free one.
+    @functools.partial(jax.jit, static_argnums=3)
     def run_chunk(params, opt_state, first_step, length):
         steps = first_step + jnp.arange(length)
         (params, opt_state), records = jax.lax.scan(

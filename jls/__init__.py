@@ -21,6 +21,7 @@ from jls._divergence import DivergenceError, raise_if_diverged
 from jls._dynamic import dynamic_scale
 from jls._finite import all_finite
 from jls._hooks import Hook
+from jls._keep import keep_if_skipped
 from jls._loss_scaling import apply_gradients, loss_scaling, metrics
 from jls._measured import measured_scale
 from jls._policy import Policy, get_policy
@@ -53,6 +54,7 @@ __all__ = [
     "compensated",
     "dynamic_scale",
     "get_policy",
+    "keep_if_skipped",
     "loss_scale_state",
     "loss_scaling",
     "measured_scale",

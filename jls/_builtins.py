@@ -42,11 +42,12 @@ def builtin_hooks(
 
     ``check_replicas``: the argument and the transformation's ``axis_name``.
 
-    `NonfiniteLoss` is on for every scaler that skips non-finite steps (one
-    configured to apply them, MindSpore's ``drop_overflow_update=False``,
-    applies a non-finite loss's step too).
+    `NonfiniteLoss` is always on: it skips for every scaler that skips
+    non-finite steps, and only records for one configured to apply them
+    (MindSpore's ``drop_overflow_update=False``, the off switch), so the
+    metrics have the same keys in every setting.
     """
-    hooks: list[Hook] = [NonfiniteLoss()] if skip_nonfinite else []
+    hooks: list[Hook] = [NonfiniteLoss(skips=skip_nonfinite)]
     if flag("diagnostics", diagnostics):
         hooks.append(Diagnostics())
     if max_consecutive_skips is not None:

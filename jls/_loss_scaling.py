@@ -50,6 +50,11 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       * ``growth_count``: consecutive finite steps towards the next growth.
       * ``retries``: how many times the latest step's gradients were
         recomputed (``jls.train_step(..., max_retries=n)``).
+      * ``nonfinite_loss``: whether the latest step's loss (given as
+        ``loss=``, or by `jls.train_step`) was not finite; such a step is
+        skipped with the scale held, unless the scaler applies non-finite
+        steps (then it is only recorded). These keys are the same for every
+        scaler, the off switch included: one logger serves every precision.
       * each hook's: ``nonfinite_leaves`` (``diagnostics=True``),
         ``diverged`` (``max_consecutive_skips``), ``gradient_norm``
         (``gradient_norm=True``), ``spike`` and ``total_spikes``
@@ -145,7 +150,8 @@ def loss_scaling(
         check's own pass: the check becomes a sum of squares, which also
         yields the norm (no second read of the gradients, unlike
         ``optax.global_norm``), exact for every finite norm (inf past the
-        float32 maximum); finite gradients are never reported non-finite.
+        float32 maximum, and inf after a non-finite step: never nan); finite
+        gradients are never reported non-finite.
       skip_spikes: a `jls.SpikeRule`: also skip a step whose gradient norm
         (or loss, given as ``loss=``) is an outlier against its running
         statistics. Composes with every scaler, ``no_scale()`` included.

@@ -9,6 +9,11 @@ and holds the rule: the step is skipped (nothing changes, it counts in
 `jls.train_step` makes no retry for it. It acts whenever the step has the
 loss: `jls.train_step` always passes it, ``tx.update`` and
 `jls.apply_gradients` when given ``loss=``.
+
+A scaler that applies non-finite steps (``skip_nonfinite=False``: the off
+switch, MindSpore's ``drop_overflow_update=False``) keeps the hook with
+``skips=False``: it only records, so ``jls.metrics`` has the same keys in
+every setting and one logger serves every precision.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ from jls._tree import plain
 
 @dataclasses.dataclass(frozen=True)
 class NonfiniteLoss(Hook):
-    """Skips a step whose loss is not finite, holding the scale rule."""
+    """Skips a step whose loss is not finite, holding the scale rule.
 
+    Attributes:
+      skips: veto such a step (``False``: only record it).
+    """
+
+    skips: bool = True
     name = "nonfinite_loss"
     reads_loss = True
     holds_scale = True
@@ -38,13 +48,20 @@ class NonfiniteLoss(Hook):
 
     def veto(self, state: Any, info: StepInfo) -> jax.Array | None:
         del state
-        return None if info.loss is None else ~jnp.isfinite(info.loss)
+        if not self.skips or info.loss is None:
+            return None
+        return ~jnp.isfinite(info.loss)
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
         del vetoed
-        if info.loss is None:
+        return self.recorded(state, info.loss)
+
+    @staticmethod
+    def recorded(state: Any, loss: Any) -> Any:
+        """The new state: whether ``loss`` (``None``: not given) is not finite."""
+        if loss is None:
             return state & False
-        return ~jnp.isfinite(info.loss)
+        return ~jnp.isfinite(loss)
 
     @classmethod
     def metrics(cls, state: Any) -> dict[str, Any]:

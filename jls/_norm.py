@@ -4,7 +4,9 @@
 step for the norm (which makes the check the sum-of-squares check of
 `jls._squares`: the same one read of the gradients, unlike computing
 ``optax.tree.norm`` in the step) and records it, exact for every finite norm
-(inf past the float32 maximum; inf or nan after a non-finite step).
+(inf past the float32 maximum). After a non-finite step it records inf, never
+the nan that a nan gradient makes of the norm: no nan reaches any state, and a
+logger still sees the step was not finite.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class GradientNorm(Hook):
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
         del state, vetoed
-        return info.norm
+        norm = jnp.asarray(info.norm)  # needs_norm: the step measured it
+        return jnp.where(jnp.isnan(norm), jnp.asarray(np.inf, norm.dtype), norm)
 
     @classmethod
     def metrics(cls, state: Any) -> dict[str, Any]:

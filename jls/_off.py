@@ -18,10 +18,12 @@ either way. (Dividing by the state's scale, even through a select that
 passes scale-1 gradients through, changes how XLA fuses Adam's update and
 the last bits of its moments: the step would no longer be the plain one.)
 
-Only the default divergence hook may be present (nothing skips, so it never
-fires); any other hook (diagnostics, the gradient norm, a spike rule, the
-scale statistics, a user's veto) needs the check, and the step takes the
-usual path.
+Only the default hooks may be present: the divergence flag (nothing skips,
+so it never fires) and the non-finite loss hook, which here only records
+whether a loss given as ``loss=`` was finite (one scalar, so the metrics have
+the same keys as in every other setting). Any other hook (diagnostics, the
+gradient norm, a spike rule, the scale statistics, a user's veto) needs the
+check, and the step takes the usual path.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import optax
 
 from jls._divergence import Divergence
 from jls._hooks import Hook, WrapperState
+from jls._nonfinite_loss import NonfiniteLoss
 from jls._rule import LossScaler
 from jls._tree import merge, split_frozen, split_inexact
 
@@ -45,7 +48,13 @@ def is_off(scaler: LossScaler, hooks: tuple[Hook, ...]) -> bool:
     return (
         scaler.is_identity
         and not scaler.skip_nonfinite
-        and all(isinstance(h, Divergence) for h in hooks)
+        and all(_records_only(h) for h in hooks)
+    )
+
+
+def _records_only(hook: Hook) -> bool:
+    return isinstance(hook, Divergence) or (
+        isinstance(hook, NonfiniteLoss) and not hook.skips
     )
 
 
@@ -55,11 +64,14 @@ def off_step(
     state: WrapperState,
     params: Any,
     extra_args: dict[str, Any],
-    *,
     fused: bool,
+    loss: Any = None,
 ) -> tuple[Any, WrapperState]:
-    """The inner optimizer's step, as `jls.LossScaling._step` returns it."""
-    _warn_float16(grads)
+    """The inner optimizer's step, as `jls.LossScaling._step` returns it.
+
+    ``loss``: the loss given as ``loss=`` (taken out of ``extra_args``), or
+    ``None``; only recorded.
+    """
     rest = frozen = None
     if fused:
         params, rest = split_inexact(params)
@@ -69,18 +81,38 @@ def off_step(
     if fused:
         out = merge(merge(optax.apply_updates(params, updates), frozen), rest)
     loss_scale = state.loss_scale._replace(scale=jnp.ones_like(state.loss_scale.scale))
-    return out, state._replace(loss_scale=loss_scale, inner_state=inner_state)
-
-
-def _warn_float16(grads: Any) -> None:
-    """Warns, at trace time, that float16 gradients are trained without a scale."""
-    dtypes = {np.dtype(getattr(g, "dtype", np.float32)) for g in jax.tree.leaves(grads)}
-    if np.dtype(jnp.float16) in dtypes:
-        warnings.warn(
-            "float16 gradients with jls.no_scale(skip_nonfinite=False): loss "
-            "scaling is off and non-finite steps are applied. float16 needs a "
-            "scale: use jls.dynamic_scale() (or jls.presets.flax()) for it, "
-            "and keep the off switch for float32 and bfloat16 runs",
-            UserWarning,
-            stacklevel=5,
+    hooks = dict(state.hooks)
+    if NonfiniteLoss.name in hooks:
+        hooks[NonfiniteLoss.name] = NonfiniteLoss.recorded(
+            hooks["nonfinite_loss"], loss
         )
+    return out, WrapperState(loss_scale, inner_state, hooks)
+
+
+def warn_float16(grads: Any, *, off: bool) -> None:
+    """Warns, at trace time, that float16 gradients are trained without a scale.
+
+    ``off``: the off switch (non-finite steps applied too), else a scale of 1
+    that still skips (``jls.no_scale()``).
+    """
+    dtypes = {np.dtype(getattr(g, "dtype", np.float32)) for g in jax.tree.leaves(grads)}
+    if np.dtype(jnp.float16) not in dtypes:
+        return
+    if off:
+        what = (
+            "float16 gradients with jls.no_scale(skip_nonfinite=False): loss "
+            "scaling is off and non-finite steps are applied."
+        )
+    else:
+        what = (
+            "float16 gradients with a loss scale of 1 (jls.no_scale()): every "
+            "gradient below float16's smallest subnormal (6e-8) rounds to zero "
+            "in the backward pass, unscaled."
+        )
+    warnings.warn(
+        f"{what} float16 needs a scale: use jls.measured_scale() or "
+        "jls.dynamic_scale() (or jls.presets.flax()) for it, and keep "
+        "jls.no_scale() for float32 and bfloat16 runs",
+        UserWarning,
+        stacklevel=5,
+    )

@@ -1,8 +1,16 @@
-"""Scaling the loss and unscaling the gradients."""
+"""Scaling the loss and unscaling the gradients.
+
+`scale_loss` also tags the scale it hands out, per ``jit`` trace, so that the
+update can tell a loss scaled with another optimizer's state
+(`check_scaled_with`): two jls optimizers in one step (a GAN) that swap
+their states in ``scale_loss`` would otherwise unscale by the wrong scale,
+silently (with SGD the update comes out the ratio of the scales off).
+"""
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -127,6 +135,55 @@ def unscale_tree(tree: Any, scale: jax.Array, *, two_factor: bool = True) -> Any
     return jax.tree.map(lambda x: unscale_leaf(x, factors), tree)
 
 
+# Per trace (a jit, vmap or shard_map being traced), weak references to the
+# scales `scale_loss` handed out in it: a trace and its tracers die with it.
+_HANDED_OUT: weakref.WeakKeyDictionary[Any, list[weakref.ref]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _trace_of(scale: Any) -> Any:
+    """The trace a traced scale belongs to; ``None`` for a concrete array."""
+    return getattr(scale, "_trace", None)
+
+
+def _tag(scale: Any) -> None:
+    """Records that `scale_loss` handed ``scale`` out (traced scales only)."""
+    trace = _trace_of(scale)
+    if trace is None:
+        return
+    try:
+        _HANDED_OUT.setdefault(trace, []).append(weakref.ref(scale))
+    except TypeError:  # a trace or tracer that takes no weak reference
+        return
+
+
+def check_scaled_with(scale: Any, stacklevel: int) -> None:
+    """Warns, at trace time, if this trace's losses were scaled by other states.
+
+    ``scale``: the state's scale, as an update reads it. When `scale_loss`
+    handed out scales in the same trace and ``scale`` is none of them, the
+    gradients this update unscales were scaled by another state's scale: in
+    a step with two jls optimizers, their states were swapped. (A loss
+    scaled outside the trace, or by hand, leaves nothing to compare.)
+    """
+    trace = _trace_of(scale)
+    refs = _HANDED_OUT.get(trace) if trace is not None else None
+    if not refs or any(ref() is scale for ref in refs):
+        return
+    warnings.warn(
+        "this update's loss scale was not the one jls.scale_loss applied in this "
+        "step: scale_loss was given another jls state only (two jls optimizers, "
+        "their states swapped?). The gradients are then unscaled by the wrong "
+        "scale, and the update is off by the ratio of the two. Scale each loss "
+        "with its own optimizer's state: jls.scale_loss(loss_g, opt_state_g) for "
+        "tx_g.update(grads_g, opt_state_g, ...), jls.scale_loss(loss_d, "
+        "opt_state_d) for the other",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+
+
 def _is_state(x: Any) -> bool:
     """Whether ``x`` is (or holds) a jls state: a sign of swapped arguments."""
     found = jax.tree.leaves(x, is_leaf=lambda y: isinstance(y, LossScaleState))
@@ -170,6 +227,7 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
         raise TypeError(f"loss must be a floating array, got dtype {loss.dtype}")
     state = loss_scale_state(opt_state)
     _warn_varying(loss)
+    _tag(state.scale)
     wide = compute_dtype(loss.dtype)
     return loss.astype(wide) * state.scale.astype(wide)
 

@@ -43,14 +43,15 @@ from jax import lax
 
 from jls import _cond
 from jls._builtins import all_hooks
+from jls._composition import check_not_masked, not_loss_scaling
 from jls._decision import Decision, Decisions
 from jls._divergence import DIVERGENCE_LIMIT
 from jls._dynamic import dynamic_scale
 from jls._hooks import Hook, StepInfo, WrapperState
 from jls._inner import Transformation, checked_inner
-from jls._off import is_off, off_step
+from jls._off import is_off, off_step, warn_float16
 from jls._rule import LossScaler, checked_scaler
-from jls._scaling import reciprocals, unscale_leaf
+from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
 from jls._spikes import SpikeRule
 from jls._state import LossScaleState, check_state
 from jls._tree import holds, merge, split_frozen, split_inexact
@@ -132,14 +133,7 @@ class LossScaling(Decisions):
             return tx
         owner = getattr(getattr(tx, "update", None), "__self__", None)
         if not isinstance(owner, LossScaling):
-            raise TypeError(
-                "tx must be a transformation made by jls.loss_scaling(...) itself "
-                "(not wrapped in optax.chain, optax.inject_hyperparams or another "
-                "wrapper: put those inside, e.g. jls.loss_scaling("
-                "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)), which "
-                "keeps the fused path); for other transformations use tx.update "
-                f"and optax.apply_updates. Got {tx!r:.200}"
-            )
+            raise not_loss_scaling(tx, owner)
         return owner
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
@@ -149,6 +143,7 @@ class LossScaling(Decisions):
 
     def init(self, params: optax.Params) -> WrapperState:
         """The state before the first step (see the class notes)."""
+        check_not_masked(params, "parameters")
         hooks = {h.name: h.init(params) for h in self.hooks}
         return WrapperState(self.scaler.init(), self.inner.init(params), hooks)
 
@@ -225,10 +220,15 @@ class LossScaling(Decisions):
         neither unscaled nor measured (flax's fp8 scales and amax histories).
         """
         _check_order(state, params)
+        check_not_masked(grads, "gradients")
         state = self._check_state(state)
+        if self.scaler.is_identity:  # scale 1: any pairing is right
+            warn_float16(grads, off=is_off(self.scaler, self.hooks))
+        else:
+            check_scaled_with(state.loss_scale.scale, stacklevel=4)
+        loss, args = self._pop_loss(extra_args)
         if is_off(self.scaler, self.hooks):
-            return off_step(self.inner, grads, state, params, extra_args, fused=fused)
-        loss, extra_args = self._pop_loss(extra_args)
+            return off_step(self.inner, grads, state, params, args, fused, loss)
         if decision is None:
             decision = self._decide(grads, state.loss_scale, also_finite=also_finite)
         info = StepInfo(
@@ -262,9 +262,7 @@ class LossScaling(Decisions):
             grads, inner_state, params = operands
             if factors or shrink is not None:  # no factors: the scale is 1 forever
                 grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
-            updates, inner_state = self.inner.update(
-                grads, inner_state, params, **extra_args
-            )
+            updates, inner_state = self.inner.update(grads, inner_state, params, **args)
             if fused:
                 return optax.apply_updates(params, updates), inner_state
             return updates, inner_state

@@ -1,9 +1,10 @@
 """Finding jls's states inside any optax state, and splitting a model.
 
 Lookups are ``optax.tree.get_all_with_path`` by type name (it reaches inside
-``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, ``masked`` and flax
-``nnx`` optimizer states): `find_one` is the one place that decides how
-many were found and what the error says. `plain` turns what jls reads out of
+every optax state and flax ``nnx`` optimizer states): `find_one` is the one
+place that decides how many were found and what the error says, and it has
+the path judged (`jls._composition`: a wrapper that hides jls from its
+caller is refused). `plain` turns what jls reads out of
 an ``nnx.Optimizer``'s state into plain arrays.
 
 A model may be a whole equinox ``Module``: only arrays can enter a
@@ -23,15 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jls._composition import check_path
 from jls._state import LossScaleState, check_state, unwrap
-
-_CHAINED = (
-    "opt_state is the state of optax.chain(..., jls.loss_scaling(inner), ...): "
-    "the transformations chained before loss_scaling see the scaled gradients (a "
-    "clip by global norm clips loss-scale times too hard) and those after it "
-    "change the parameters on skipped steps. Put them inside: "
-    "jls.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), inner), scaler)"
-)
 
 
 def find_all(tree: Any, kind: type) -> list[tuple[tuple[Any, ...], Any]]:
@@ -44,7 +38,10 @@ def find_one(tree: Any, kind: type, what: str, hint: str) -> Any:
 
     Raises:
       ValueError: naming ``what`` and how many were found, then ``hint``; or
-        if it sits in ``optax.chain``'s state beside other transformations.
+        if it sits in the state of a composition that hides jls from its
+        caller (`jls._composition.check_path`: ``optax.chain`` beside other
+        transformations, ``masked``, ``MultiSteps`` without a skip function,
+        ...).
     """
     found = find_all(tree, kind)
     if len(found) != 1:
@@ -53,52 +50,22 @@ def find_one(tree: Any, kind: type, what: str, hint: str) -> Any:
             f"{len(found) or 'none'}. {hint}"
         )
     path, value = found[0]
-    _check_not_chained(tree, path)
+    check_path(tree, path)
     return value
-
-
-def _is_transform_state(node: Any) -> bool:
-    """An optax transformation's state: a NamedTuple, or a chain's tuple of them."""
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return True
-    return type(node) is tuple and bool(node) and all(map(_is_transform_state, node))
-
-
-def _check_not_chained(tree: Any, path: tuple[Any, ...]) -> None:
-    """Refuses a jls state reached through a chain's tuple beside others.
-
-    ``optax.chain``'s state is a plain tuple of its members' states (a user's
-    own ``(params, opt_state)`` tuple is not refused: params are no
-    transformation state).
-    """
-    node = tree
-    for key in path:
-        if type(node) is tuple and len(node) > 1:
-            others = [c for i, c in enumerate(node) if i != key.idx]
-            if any(map(_is_transform_state, others)):
-                raise ValueError(_CHAINED)
-        node = _child(node, key)
-
-
-def _child(node: Any, key: Any) -> Any:
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return node[key.idx]
-    if isinstance(key, jax.tree_util.DictKey):
-        return node[key.key]
-    name = getattr(key, "name", None)
-    if name is not None:
-        return getattr(node, name)
-    return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0][key.key]
 
 
 def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState:
     """Finds the one `LossScaleState` inside a (nested) optax state.
 
-    Works through ``optax.MultiSteps``, ``optax.inject_hyperparams``,
-    ``optax.masked`` and flax optimizer states, in either nesting order.
-    Leaves boxed in flax ``nnx`` variables are unwrapped. A state of
-    ``optax.chain`` with ``loss_scaling`` beside other transformations is
-    refused: they belong inside ``loss_scaling``.
+    Works through the user's own containers, flax optimizer states (leaves
+    boxed in ``nnx`` variables are unwrapped) and the wrappers that hand
+    every gradient to jls unchanged: ``optax.inject_hyperparams``, and
+    ``optax.MultiSteps`` with a ``should_skip_update_fn``. A state where
+    another transformation runs around ``loss_scaling`` (``optax.chain`` or
+    ``named_chain`` beside others, ``masked``, ``multi_transform`` /
+    ``partition``, ``MultiSteps`` without a skip function,
+    ``apply_if_finite``) is refused, naming the fix (put it inside
+    ``loss_scaling``); any other wrapper's state is warned about.
 
     Args:
       opt_state: an optimizer state, or a `LossScaleState` itself.
@@ -111,15 +78,21 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
 
     Raises:
       ValueError: if ``opt_state`` holds no `LossScaleState`, or more than one,
-        or is ``optax.chain``'s state with other transformations beside
-        ``loss_scaling``.
+        or holds it below a transformation that hides jls from its caller.
+
+    Warns:
+      UserWarning: if it holds it below another transformation's state.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(0.1)), 4)
+      >>> tx = jls.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 4))
       >>> state = tx.init({"w": jnp.zeros(3)})
       >>> jls.loss_scale_state(state).scale
       Array(32768., dtype=float32)
+      >>> tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(0.1)), 4)
+      >>> jls.loss_scale_state(tx.init({"w": jnp.zeros(3)}))
+      Traceback (most recent call last):
+      ValueError: opt_state is the state of optax.MultiSteps(jls.loss_scaling(...
     """
     state = find_one(
         opt_state,

@@ -62,6 +62,17 @@ class TrainState(train_state.TrainState):
       (Array([0.5, 0.5], dtype=float32), 1)
     """
 
+    @classmethod
+    def create(cls, *, tx: Any, **kwargs: Any) -> TrainState:  # type: ignore[override]
+        """Makes the state as flax does; ``tx`` must be made by `jls.loss_scaling`.
+
+        Raises:
+          TypeError: if ``tx`` is not (a wrapper around ``loss_scaling`` is
+            refused here, not at the first step, naming the order that works).
+        """
+        LossScaling._of(tx)
+        return super().create(tx=tx, **kwargs)
+
     def apply_gradients(
         self, *, grads: Any, loss: Any = None, **kwargs: Any
     ) -> TrainState:
@@ -139,7 +150,10 @@ class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` on jls's fused path; ``step`` counts applied steps.
 
     Make it as flax's: ``jls.flax.Optimizer(model, jls.loss_scaling(...),
-    wrt=nnx.Param)``; ``optimizer.update(model, scaled_grads)``.
+    wrt=nnx.Param)``; ``optimizer.update(model, scaled_grads)``. A ``tx``
+    not made by `jls.loss_scaling` itself (``optax.MultiSteps`` around it,
+    say) is refused when the optimizer is made, with a ``TypeError`` naming
+    the order that works (``jls.loss_scaling(optax.MultiSteps(inner, k))``).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls, jls.flax
@@ -158,6 +172,7 @@ class Optimizer(nnx.Optimizer):
     def __init__(
         self, model: Any, tx: Any, *, wrt: Any, keep: Any = nnx.BatchStat, **kwargs: Any
     ) -> None:
+        LossScaling._of(tx)  # refused here, not at the first update
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.keep = keep
         # The kept variables as they were after the latest step: a skipped

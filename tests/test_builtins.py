@@ -1,10 +1,16 @@
 """`loss_scaling`'s keyword arguments are the built-in hooks, in one order."""
 
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import jls
 from jls._divergence import Divergence
+from jls._nonfinite_loss import NonfiniteLoss
 
 
 def test_the_keywords_are_hooks_in_order():
@@ -34,7 +40,9 @@ def test_the_keywords_are_hooks_in_order():
     applying = jls.LossScaling(
         optax.sgd(0.1), jls.no_scale(skip_nonfinite=False), max_consecutive_skips=None
     )
-    assert applying.hooks == ()
+    # It only records a non-finite loss: the metrics keep their keys.
+    (recorder,) = applying.hooks
+    assert isinstance(recorder, NonfiniteLoss) and not recorder.skips
 
 
 def test_hook_names_are_distinct():
@@ -56,3 +64,51 @@ def test_hook_names_are_distinct():
 def test_the_keywords_are_checked_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):
         jls.loss_scaling(optax.sgd(0.1), **kwargs)
+
+
+NAN_STEP = {"w": jnp.array([1.0, jnp.nan]), "b": jnp.array([jnp.inf])}
+EVERY_HOOK = {
+    "diagnostics": True,
+    "gradient_norm": True,
+    "skip_spikes": jls.SpikeRule(),
+    "scale_stats": True,
+    "check_replicas": True,
+}
+
+
+@pytest.mark.parametrize(
+    "scaler",
+    [jls.dynamic_scale(), jls.measured_scale(), jls.no_scale()],
+    ids=["dynamic", "measured", "no_scale"],
+)
+@pytest.mark.parametrize("loss", [1.0, float("nan")], ids=["finite_loss", "nan_loss"])
+def test_no_nan_reaches_any_built_in_hooks_state(scaler, loss):
+    # README and docs/guarantees.md: no nan reaches any state. The gradient
+    # norm hook used to record the nan norm of a nan step (now inf).
+    params = {"w": jnp.ones(2), "b": jnp.ones(1)}
+    tx = jls.loss_scaling(optax.sgd(0.1), scaler, axis_name="i", **EVERY_HOOK)
+    states = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(params))
+    names = {h.name for h in jls.LossScaling._of(tx).hooks}
+    assert names == {
+        "nonfinite_loss",
+        "diagnostics",
+        "divergence",
+        "gradient_norm",
+        "spikes",
+        "replicas",
+        "scale_stats",
+    }
+
+    @jax.jit
+    @functools.partial(jax.vmap, axis_name="i", in_axes=(None, 0, None))
+    def step(grads, state, loss):
+        return tx.update(grads, state, params, loss=loss)[1]
+
+    for grads in (jax.tree.map(jnp.ones_like, params), NAN_STEP):
+        states = step(grads, states, jnp.float32(loss))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(states.hooks):
+            if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                assert not bool(jnp.any(jnp.isnan(leaf))), path
+    m = jls.metrics(states)
+    assert bool(jnp.all(m["skipped"]))
+    np.testing.assert_array_equal(m["gradient_norm"], np.full(2, np.inf, np.float32))

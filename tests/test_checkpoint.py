@@ -221,3 +221,17 @@ def test_a_jls_0_3_checkpoint_resumes_bitwise():
     assert bool(m["diverged"]) == bool(want["['opt_state'].hooks['divergence']"])
     hooks = "['opt_state'].hooks"
     assert int(m["total_spikes"]) == int(want[f"{hooks}['spikes'].total_spikes"])
+def test_an_off_switch_checkpoint_without_the_nonfinite_loss_record_resumes():
+    # Before jls 0.4 a scaler that applies non-finite steps (the off switch)
+    # had no nonfinite_loss hook state; it now records one (the metrics keep
+    # their keys in every setting). A raw checkpoint of the old layout.
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.no_scale(skip_nonfinite=False))
+    target = tx.init({"w": jnp.zeros(2)})
+    old = jax.tree.map(np.asarray, target._asdict())
+    old["hooks"] = {k: v for k, v in old["hooks"].items() if k != "nonfinite_loss"}
+    old["loss_scale"] = old["loss_scale"]._asdict()
+    old["loss_scale"]["total_skips"] = np.int32(5)
+    state = jls.upgrade_state(old, target)
+    assert jax.tree.structure(state) == jax.tree.structure(target)
+    m = jls.metrics(state)
+    assert int(m["total_skips"]) == 5 and not bool(m["nonfinite_loss"])

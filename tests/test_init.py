@@ -37,6 +37,7 @@ def test_public_names():
         "compensated",
         "dynamic_scale",
         "get_policy",
+        "keep_if_skipped",
         "loss_scale_state",
         "measured_scale",
         "loss_scaling",

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "jls"
 # Lowest first: a module may import only from layers below its own.
 LAYERS = [
     ["jls._validate", "jls._compat", "jls._shards"],
-    ["jls._state"],
+    ["jls._state", "jls._composition"],
     ["jls._tree"],
     ["jls._scaling"],
     ["jls._rule"],
@@ -37,7 +37,7 @@ LAYERS = [
         "jls._scale_stats",
     ],
     ["jls._builtins", "jls._inner", "jls._cond", "jls._off", "jls._average"],
-    ["jls._decision", "jls._compensated"],
+    ["jls._decision", "jls._compensated", "jls._keep"],
     ["jls._transformation"],
     ["jls._loss_scaling"],
     ["jls._set_scale", "jls._checkpoint", "jls._step"],

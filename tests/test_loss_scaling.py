@@ -326,3 +326,53 @@ def test_metrics():
         "consecutive_nonfinite": jnp.int32,
         "retries": jnp.int32,
     }
+
+
+SETTINGS = {
+    "dynamic": jls.dynamic_scale(),
+    "measured": jls.measured_scale(),
+    "static": jls.static_scale(8.0),
+    "no_scale": jls.no_scale(),
+    "off": jls.no_scale(skip_nonfinite=False),
+    "applying": jls.presets.mindspore_fixed(1024.0, False),
+}
+OPTIONS = [
+    {},
+    {"max_consecutive_skips": None},
+    {"gradient_norm": True},
+    {"diagnostics": True, "skip_spikes": jls.SpikeRule(), "scale_stats": True},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "default")
+def test_every_setting_reports_the_same_metric_keys(options):
+    # One script, every precision: a logger written for the float16 run
+    # (dynamic or measured) must not crash on the bfloat16 or float32 one
+    # (no_scale, or jls off). The off switch used to lack nonfinite_loss.
+    params = _params()
+    keys = {}
+    for name, scaler in SETTINGS.items():
+        tx = jls.loss_scaling(optax.sgd(0.1), scaler, **options)
+        state = tx.init(params)
+        keys[name, "init"] = set(jls.metrics(state))
+        grads = _scaled_grads(params, state)
+        for path, step in PATHS.items():
+            _, after, _ = step(tx)(params, state, grads)
+            keys[name, path] = set(jls.metrics(after))
+    assert len({frozenset(k) for k in keys.values()}) == 1, keys
+    assert "nonfinite_loss" in keys["off", "init"]
+
+
+@pytest.mark.parametrize("name", ["off", "applying", "dynamic"])
+def test_the_nonfinite_loss_key_is_recorded_in_every_setting(name):
+    tx = jls.loss_scaling(optax.sgd(0.1), SETTINGS[name])
+    params = _params()
+    state = tx.init(params)
+    grads = _scaled_grads(params, state)
+    step = jax.jit(lambda g, s, loss: jls.apply_gradients(tx, g, s, params, loss=loss))
+    _, after = step(grads, state, jnp.float32(jnp.nan))
+    assert bool(jls.metrics(after)["nonfinite_loss"])
+    # Recorded only where the scaler applies non-finite steps: not skipped.
+    assert bool(jls.metrics(after)["skipped"]) == (name == "dynamic")
+    _, after = step(grads, after, jnp.float32(1.0))
+    assert not bool(jls.metrics(after)["nonfinite_loss"])

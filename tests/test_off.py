@@ -128,6 +128,29 @@ def test_float16_gradients_with_the_switch_off_warn_naming_the_fix():
         tx.update(p16, tx.init(p16), p16)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_float16_gradients_under_no_scale_warn_naming_the_fix(fused):
+    # jls.no_scale() still skips non-finite steps, but its scale of 1 lets
+    # float16's small gradients underflow: it used to run without a word
+    # (bfloat16 gets a hint the other way round).
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.no_scale())
+    p16 = jax.tree.map(lambda p: p.astype(jnp.float16), PARAMS)
+
+    def step(grads, state, params):
+        if fused:
+            return jls.apply_gradients(tx, grads, state, params)
+        return tx.update(grads, state, params)
+
+    with pytest.warns(UserWarning, match=r"scale of 1.*jls.measured_scale\(\)"):
+        jax.jit(step)(p16, tx.init(p16), p16)
+    # No warning for float32 and bfloat16 gradients, nor for a real scale.
+    pbf = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+    for params in (PARAMS, pbf):
+        jax.jit(step)(params, tx.init(params), params)
+    scaled = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(1024.0))
+    jax.jit(scaled.update)(p16, scaled.init(p16), p16)
+
+
 @pytest.mark.parametrize(
     "kw, off",
     [

@@ -47,7 +47,7 @@ def test_scale_loss_gradients_are_scaled():
 
 
 def test_scale_loss_reads_any_optimizer_state():
-    tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(1.0)), 2)
+    tx = jls.loss_scaling(optax.MultiSteps(optax.sgd(1.0), 2))
     state = tx.init({"w": jnp.zeros(2)})
     assert float(jls.scale_loss(jnp.float32(2.0), state)) == 2.0**16
     per_example = jls.scale_loss(jnp.ones(3), state)
@@ -200,3 +200,53 @@ def test_a_loss_varying_over_a_shard_map_axis_is_warned_about():
 def test_a_reduced_loss_or_untracked_axes_scale_silently(check_vma):
     assert _scale_in_shard_map(reduce=True, check_vma=check_vma) == 8.0
     assert _scale_in_shard_map(reduce=False, check_vma=False) == 8.0
+def _gan_step(tx_g, tx_d, *, swap, fused):
+    """One step of two jls optimizers; ``swap``: G's loss scaled with D's state."""
+
+    def step(pg, pd, sg, sd):
+        gg = jax.grad(lambda p: jls.scale_loss(p["w"].sum(), sd if swap else sg))(pg)
+        gd = jax.grad(lambda p: jls.scale_loss(p["w"].sum(), sd))(pd)
+        if fused:
+            return jls.apply_gradients(tx_g, gg, sg, pg)[0]
+        updates, _ = tx_g.update(gg, sg, pg)
+        tx_d.update(gd, sd, pd)
+        return optax.apply_updates(pg, updates)
+
+    return step
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_loss_scaled_with_the_other_optimizers_state_is_caught(fused):
+    # A GAN's two jls optimizers, their states swapped in scale_loss: with
+    # SGD the generator's update came out at 2**9 / 2**15 = 2**-6 of its size,
+    # silently. scale_loss tags the scale it hands out; the update warns at
+    # trace time that its own scale was not among them.
+    tx_g = jls.loss_scaling(optax.sgd(1.0), jls.static_scale(2.0**15))
+    tx_d = jls.loss_scaling(optax.sgd(1.0), jls.static_scale(2.0**9))
+    p = {"w": jnp.ones(2)}
+    args = (p, p, tx_g.init(p), tx_d.init(p))
+    swapped = jax.jit(_gan_step(tx_g, tx_d, swap=True, fused=fused))
+    with pytest.warns(UserWarning, match=r"jls.scale_loss\(loss_g, opt_state_g\)"):
+        new = swapped(*args)
+    np.testing.assert_array_equal(new["w"], np.float32([1.0 - 2.0**-6] * 2))
+    paired = jax.jit(_gan_step(tx_g, tx_d, swap=False, fused=fused))
+    np.testing.assert_array_equal(paired(*args)["w"], np.float32([0.0, 0.0]))
+
+
+def test_nothing_to_compare_is_no_warning():
+    # Eagerly (no trace), a loss scaled in another jit, and a scale of 1
+    # (no_scale: any pairing is right) leave nothing to warn about.
+    tx = jls.loss_scaling(optax.sgd(1.0), jls.static_scale(4.0))
+    other = jls.loss_scaling(optax.sgd(1.0), jls.no_scale())
+    p = {"w": jnp.ones(2)}
+    state, other_state = tx.init(p), other.init(p)
+    grads = jax.jit(jax.grad(lambda q: jls.scale_loss(q["w"].sum(), state)))(p)
+    jax.jit(tx.update)(grads, state, p)
+    tx.update(jax.grad(lambda q: jls.scale_loss(q["w"].sum(), state))(p), state, p)
+
+    @jax.jit
+    def step(p, state, other_state):
+        g = jax.grad(lambda q: jls.scale_loss(q["w"].sum(), state))(p)
+        return tx.update(g, state, p), other.update(g, other_state, p)
+
+    step(p, state, other_state)

@@ -54,8 +54,14 @@ def test_loss_scale_state_errors():
 
 def test_loss_scale_state_in_multisteps_and_nnx():
     params = {"w": jnp.zeros(2)}
-    tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(1.0), jls.static_scale(8.0)), 2)
+    tx = optax.MultiSteps(
+        jls.loss_scaling(optax.sgd(1.0), jls.static_scale(8.0)),
+        2,
+        should_skip_update_fn=optax.skip_not_finite,
+    )
     assert float(jls.loss_scale_state(tx.init(params)).scale) == 8.0
+    tx = jls.loss_scaling(optax.MultiSteps(optax.sgd(1.0), 2), jls.static_scale(4.0))
+    assert float(jls.loss_scale_state(tx.init(params)).scale) == 4.0
 
     class Model(nnx.Module):
         def __init__(self):

@@ -132,3 +132,46 @@ def test_every_command_a_page_shows_runs(script):
         takes_value = re.match(r"\s*(?:-\w, )?--[\w-]+ (?:[A-Z_]+|\{)", option)
         if takes_value:
             assert "(default:" in " ".join(option.split()), option
+
+
+def _code(text: str) -> list[str]:
+    """Every fenced block of a page (python, code-cell, diff), as written."""
+    return re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+
+
+DONATES = re.compile(r"^[+ ]?[^#\n]*\b(donate_argnums=|donate=)", re.M)
+SAYS_DONATED = re.compile(r"^[+ ]?[^#\n]*\bdonated=True", re.M)
+
+
+def _donation_mismatches() -> list[str]:
+    """Code that donates without telling jls, or tells jls it donates and does not.
+
+    A unit is an example script, or one block of a page; in a diff, the new
+    side (removed lines are left out).
+    """
+    units = [(p.relative_to(ROOT).as_posix(), p.read_text()) for p in EXAMPLES]
+    for page in PAGES:
+        for i, block in enumerate(_code(page.read_text())):
+            new_side = "\n".join(
+                line for line in block.splitlines() if not line.startswith("-")
+            )
+            units.append((f"{page.relative_to(ROOT).as_posix()} block {i}", new_side))
+    out = []
+    for where, code in units:
+        if "loss_scaling(" not in code:
+            continue
+        donates, says = bool(DONATES.search(code)), bool(SAYS_DONATED.search(code))
+        if donates != says:
+            out.append(f"{where}: donates={donates}, donated=True={says}")
+    return out
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def test_every_step_that_donates_tells_jls_and_none_other_does():
+    # docs/performance.md: donated=True picks the skip that is free when the
+    # step donates, the default the one free when it does not. The equinox
+    # example donated without saying so, and from_flax's diff said so for a
+    # step that does not donate.
+    assert not _donation_mismatches()

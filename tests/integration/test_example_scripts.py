@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import numpy as np
 
 EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_fp16.py"
 
@@ -56,3 +57,20 @@ def test_char_lm_example_runs_every_mode():
     assert jls_row["skipped"] is not None
     assert jls_row["final_scale"] == 2.0 ** (15 - jls_row["skipped"])
     assert rows[0]["skipped"] is None  # plain optax cannot skip
+
+
+def test_the_gan_survives_a_nan_batch_only_with_keep_if_skipped():
+    main = runpy.run_path(str(EXAMPLE.parent / "gan_equinox.py"))["main"]
+    args = ["--steps", "60", "--nan-step", "20"]
+    # Without the call: the nan batch's BatchNorm statistics stay, and every
+    # later step of both models is skipped, with no error.
+    lost = main([*args, "--no-keep"])
+    assert lost["skipped_after_nan"] == lost["steps_after_nan"] == 40
+    assert lost["skips_d"] == lost["skips_g"] == 41
+    assert not lost["statistics_finite"]
+    # With jls.keep_if_skipped: the nan step alone is skipped, training goes on.
+    kept = main(args)
+    assert kept["skipped_after_nan"] == 0
+    assert kept["skips_d"] == kept["skips_g"] == 1
+    assert kept["statistics_finite"]
+    assert np.isfinite(kept["final_loss_d"]) and np.isfinite(kept["final_loss_g"])

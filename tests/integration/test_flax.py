@@ -296,3 +296,25 @@ def test_nnx_optimizer_keeps_batch_stats_on_a_skipped_step():
     step(model, optimizer, X * 2.0)
     after = nnx.state(model, nnx.BatchStat)
     assert not np.array_equal(after["bn"]["mean"][...], before["bn"]["mean"][...])
+
+
+def test_a_wrapped_tx_is_refused_when_made_naming_the_order_that_works():
+    # It used to be accepted and refused only at the first update, with a
+    # message that pointed at tx.update + optax.apply_updates: the order in
+    # which one nan micro-batch poisons every later window.
+    wrapped = optax.MultiSteps(jls.loss_scaling(optax.sgd(0.1)), 2)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    for make in (
+        lambda: jls.flax.Optimizer(model, wrapped, wrt=nnx.Param),
+        lambda: jls.flax.TrainState.create(
+            apply_fn=None, params={"w": jnp.ones(2)}, tx=wrapped
+        ),
+    ):
+        with pytest.raises(TypeError) as err:
+            make()
+        message = str(err.value)
+        assert "jls.loss_scaling(optax.MultiSteps(optax.adam(1e-3), k))" in message
+        assert "use tx.update" not in message
+    fixed = jls.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 2))
+    jls.flax.Optimizer(model, fixed, wrt=nnx.Param)
+    jls.flax.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=fixed)

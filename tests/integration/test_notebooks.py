@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
+import tomllib
+from fnmatch import fnmatch
 
 import nbformat
 import pytest
@@ -49,3 +52,42 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         if out.output_type == "error"
     ]
     assert not errors
+
+
+def _docs_config() -> dict:
+    """The literal settings of docs/conf.py (read, not run: it copies files)."""
+    tree = ast.parse((NOTEBOOKS[0].parents[1] / "docs" / "conf.py").read_text())
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            try:
+                found[target.id] = ast.literal_eval(value)
+            except ValueError:
+                pass
+    return found
+
+
+def test_the_site_runs_the_notebooks_and_shows_their_outputs():
+    # The site used to copy the notebooks in and show them unexecuted: code
+    # without outputs or plots (they are committed without outputs).
+    config = _docs_config()
+    assert config["nb_execution_mode"] in ("force", "cache", "auto")
+    assert config["nb_execution_raise_on_error"] is True
+    for path in NOTEBOOKS:
+        page = f"notebooks/{path.stem}"
+        excluded = [
+            p for p in config["nb_execution_excludepatterns"] if fnmatch(page, p)
+        ]
+        assert not excluded, (page, excluded)
+    # Each cell's limit covers the slowest notebook's cells (test_notebook_runs
+    # allows 300 s), and the docs extra has what the notebooks import.
+    assert config["nb_execution_timeout"] >= 300
+    docs = tomllib.loads((NOTEBOOKS[0].parents[1] / "pyproject.toml").read_text())
+    extra = " ".join(docs["project"]["optional-dependencies"]["docs"])
+    assert "matplotlib" in extra and "scikit-learn" in extra

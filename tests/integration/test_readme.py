@@ -9,8 +9,11 @@ keys, a bitwise restore, float16 compute) has that promise checked below.
 
 import contextlib
 import io
+import os
 import pathlib
 import re
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -82,3 +85,100 @@ def test_the_readme_is_a_landing_page():
     assert len(lines) <= 250, len(lines)
     quickstart = [line for line in BLOCKS[0].splitlines() if line.strip()]
     assert len(quickstart) <= 25, len(quickstart)
+
+
+# -- The first two commands, on a fresh machine ----------------------------------
+
+COMMANDS = [
+    line.split("  #")[0].strip()
+    for block in re.findall(
+        r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S
+    )
+    for line in block.splitlines()
+    if line.strip() and not line.strip().startswith("#")
+]
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed_by(command: str) -> set[str]:
+    """The distributions ``pip install -e ".[extras]"`` brings: jls's closure."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    match = re.search(r'pip install -e "\.(?:\[([\w,-]+)\])?"', command)
+    assert match, f"no `pip install -e` of the checkout in {command!r}"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    todo = [(r, "") for r in project["dependencies"]]
+    for extra in (match.group(1) or "").split(","):
+        if extra:
+            todo += [(r, "") for r in project["optional-dependencies"][extra]]
+    names: set[str] = set()
+    done: set[tuple[str, str]] = set()
+    while todo:
+        text, extra = todo.pop()
+        requirement = Requirement(text)
+        if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+            continue
+        name = _canonical(requirement.name)
+        names.add(name)
+        for wanted in ("", *requirement.extras):
+            if (name, wanted) in done:
+                continue
+            done.add((name, wanted))
+            try:
+                todo += [(r, wanted) for r in md.requires(name) or []]
+            except md.PackageNotFoundError:
+                break
+    return names
+
+
+def _site_of(distributions: set[str], into: pathlib.Path) -> None:
+    """A site folder with only ``distributions`` (and jls), as links."""
+    import importlib.metadata as md
+
+    for dist in md.distributions():
+        if _canonical(dist.metadata["Name"]) not in distributions:
+            continue
+        tops = {pathlib.PurePath(str(f)).parts[0] for f in dist.files or ()}
+        for top in tops - {"..", "__pycache__"}:
+            source = pathlib.Path(str(dist.locate_file(top)))
+            if source.exists() and not (into / top).exists():
+                (into / top).symlink_to(source)
+    (into / "jls").symlink_to(pathlib.Path(jls.__file__).parent)
+
+
+def test_the_first_two_commands_install_and_run_the_demo_on_a_fresh_machine(
+    tmp_path,
+):
+    # The README's first two commands, as a new user runs them: the install
+    # must bring what the demo imports (it once installed [flax], and the
+    # demo then exited asking for the demo extra). The demo runs here with
+    # only what that command installs importable (python -S: no other
+    # site-packages), for a few steps (the full run is test_examples.py's).
+    install, demo = COMMANDS[:2]
+    assert "pip install" in install
+    assert demo == "python examples/demo.py"
+    site = tmp_path / "site"
+    site.mkdir()
+    _site_of(_installed_by(install), site)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-S",
+            *demo.split()[1:],
+            *("--steps", "3", "--no-progress", "--out", str(tmp_path / "out")),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "f16-jls" in out.stdout and (tmp_path / "out" / "demo.png").exists()
