@@ -43,7 +43,7 @@ from char_runs import ROOT, load_char_lm
 import jls
 
 VARIANTS = ("float32", "cast_arguments", "autocast")
-POLICY = jls.get_policy("params=float32,compute=float16,output=float32")
+POLICY = jls.precision.get_policy("params=float32,compute=float16,output=float32")
 
 
 def _load_mlp():
@@ -163,8 +163,16 @@ def run(name: str, rounds: int, steps: int, compiles: int) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("demo", "char", "both"), default="both")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        choices=("demo", "char", "both"),
+        default="both",
+        help="which model to time",
+    )
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds")
     parser.add_argument("--steps", type=int, default=5, help="steps per sample")
     parser.add_argument("--compiles", type=int, default=3, help="fresh jits each")

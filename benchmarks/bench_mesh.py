@@ -46,9 +46,8 @@ import jls  # noqa: E402
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
-from bench_step import interleaved, summary  # noqa: E402
-
 import mesh_lm  # noqa: E402
+from bench_step import interleaved, summary  # noqa: E402
 
 
 def make(width: int):
@@ -158,7 +157,9 @@ def main(argv=None) -> dict:
         f"{n / 1e6:.2f}M parameters, {args.rounds} rounds; ratios to plain Adam"
     )
     print()
-    print("| variant | median step (ms) | ratio | p10-p90 | all-reduces | all-gathers |")
+    print(
+        "| variant | median step (ms) | ratio | p10-p90 | all-reduces | all-gathers |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for k, r in rows.items():
         print(

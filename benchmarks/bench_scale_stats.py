@@ -6,7 +6,7 @@
 plain Adam, on the models of ``bench_step.py``, donated and not, in
 interleaved rounds; ratios are to the fused step without the statistics in
 the same donation mode. ``jls_fused_scale_stats_every<n>`` measures one
-step in ``n`` (``jls.ScaleStats(every=n)``, donated only: jls refuses it
+step in ``n`` (``jls.hooks.ScaleStats(every=n)``, donated only: jls refuses it
 without donation), with ``n`` the steps timed per sample, so that every
 sample holds exactly one measured step. Run:
 ``python benchmarks/bench_scale_stats.py --model all --rounds 15``;
@@ -50,7 +50,10 @@ def variants(loss_fn, params, every: int):
         configs = [("jls_fused", False), ("jls_fused_scale_stats", True)]
         if donated:  # sampling needs a donating step (refused without)
             configs.append(
-                (f"jls_fused_scale_stats_every{every}", jls.ScaleStats(every=every))
+                (
+                    f"jls_fused_scale_stats_every{every}",
+                    jls.hooks.ScaleStats(every=every),
+                )
             )
         for name, stats in configs:
             tx = jls.loss_scaling(adam, scaler, donated=donated, scale_stats=stats)

@@ -5,9 +5,9 @@ the parameters (and Adam's moments) kept:
 
 - ``f32-master``: in float32 (the usual mixed precision: a float32 copy);
 - ``bf16``: in bfloat16, plain (small updates round away);
-- ``bf16-kahan``: in bfloat16, ``jls.compensated(adam)`` (a bfloat16
+- ``bf16-kahan``: in bfloat16, ``jls.precision.compensated(adam)`` (a bfloat16
   compensation buffer);
-- ``bf16-sr``: in bfloat16, ``jls.stochastic_rounding(adam)``.
+- ``bf16-sr``: in bfloat16, ``jls.precision.stochastic_rounding(adam)``.
 
 Every run is wrapped in ``jls.loss_scaling(..., jls.no_scale())``
 (skip-on-nan). ``--dtype float16`` runs the same four in float16
@@ -72,9 +72,9 @@ def run(name: str, spec: tuple, seed: int, args, lm, text) -> dict:
     )
     inner = optax.adam(cfg.lr, eps=args.eps)
     if wrap == "kahan":
-        inner = jls.compensated(inner)
+        inner = jls.precision.compensated(inner)
     elif wrap == "sr":
-        inner = jls.stochastic_rounding(inner, seed=seed)
+        inner = jls.precision.stochastic_rounding(inner, seed=seed)
     tx = jls.loss_scaling(
         inner, jls.dynamic_scale() if scaler == "dynamic" else jls.no_scale()
     )
@@ -120,8 +120,11 @@ def compiled_cost() -> dict:
     out = {}
     for name, inner in [
         ("adam", optax.adam(1e-3)),
-        ("compensated(adam)", jls.compensated(optax.adam(1e-3))),
-        ("stochastic_rounding(adam)", jls.stochastic_rounding(optax.adam(1e-3))),
+        ("compensated(adam)", jls.precision.compensated(optax.adam(1e-3))),
+        (
+            "stochastic_rounding(adam)",
+            jls.precision.stochastic_rounding(optax.adam(1e-3)),
+        ),
     ]:
         tx = jls.loss_scaling(inner, jls.no_scale())
         step = jax.jit(lambda g, s, p, tx=tx: jls.apply_gradients(tx, g, s, p))

@@ -22,6 +22,8 @@ import numpy as np
 import optax
 
 import jls
+from jls._decision import decide
+from jls._transformation import config_of
 
 # The demo's model and data (examples/demo.py, examples/mlp.py).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
@@ -71,7 +73,7 @@ def main(argv=None) -> None:
     n = len(params)
     tx = jls.loss_scaling(optax.adam(5e-3), jls.measured_scale())
     state = tx.init(params)
-    scaling = jls.LossScaling._of(tx)
+    config = config_of(tx)
 
     @jax.jit
     def step(params, state):
@@ -81,7 +83,7 @@ def main(argv=None) -> None:
             return jls.scale_loss(ce, state)
 
         g, amax = jax.grad(loss, argnums=(0, 1))(params, jnp.zeros(n))
-        d = scaling._decide(g, jls.loss_scale_state(state))
+        d = decide(config, g, jls.loss_scale_state(state))
         params, state = jls.apply_gradients(tx, g, state, params)
         return params, state, d.magnitude, jnp.max(amax), d.finite
 

@@ -8,8 +8,8 @@ gives):
 - ``none``: no spike handling;
 - ``clip_by_global_norm``: ``optax.clip_by_global_norm(max_norm)`` inside
   ``jls.loss_scaling`` (a fixed threshold);
-- ``skip``: ``jls.SpikeRule()`` (the step is dropped);
-- ``clip``: ``jls.SpikeRule(action="clip")`` (the step is applied with its
+- ``skip``: ``jls.hooks.SpikeRule()`` (the step is dropped);
+- ``clip``: ``jls.hooks.SpikeRule(action="clip")`` (the step is applied with its
   gradient norm clipped to the running ``mean + 6 std``, ZClip).
 
 For each seed it reports the training loss (unweighted, the mean of the last
@@ -49,7 +49,7 @@ def make_tx(variant: str, lr: float, max_norm: float):
     if variant == "clip_by_global_norm":
         inner = optax.chain(optax.clip_by_global_norm(max_norm), adam)
         return jls.loss_scaling(inner, scaler)
-    rule = jls.SpikeRule(action=variant)
+    rule = jls.hooks.SpikeRule(action=variant)
     return jls.loss_scaling(adam, scaler, skip_spikes=rule)
 
 

@@ -134,16 +134,17 @@ nitpick_ignore_regex = [
     (r"py:.*", r"collections\.abc\..*"),
     # jls's private modules and types (jls._hooks.StepInfo,
     # jls._precision.PrecisionReport, jls._inner.Transformation, the base
-    # jls._decision.Decisions, the TypeVar jls._policy.T, ...): they appear in
+    # jls._config.Config, the TypeVar jls._policy.T, ...): they appear in
     # signatures and bases and, as `jls._measured`, in a docstring, but are
     # not public, so the API reference has no entry for them.
     (r"py:.*", r"jls\._.*"),
     # The same private types named bare: by string annotations, and by
-    # jls.precision_report's "Returns:" (PrecisionReport).
-    (r"py:(class|obj)", r"(WrapperState|StepOutput|ArrayTree|PrecisionReport)"),
+    # jls.precision.precision_report's "Returns:" (PrecisionReport), and the
+    # step's frozen Config (jls._config), named in LossScaling's attributes.
+    (r"py:(class|obj)", r"(StepOutput|ArrayTree|PrecisionReport|Config)"),
 ]
 nitpick_ignore = [
-    # jls.SpikeRule.veto and .update point at the private helpers of
+    # jls.hooks.SpikeRule.veto and .update point at the private helpers of
     # jls/_spikes.py that implement them; they have no page.
     ("py:obj", "is_spike"),
     ("py:obj", "advance"),

@@ -10,7 +10,7 @@ side, with Adam:
 - ``f16``: float16 compute, plain optax, no loss scaling;
 - ``f16-jls``: float16 compute, ``jls.dynamic_scale()`` with the fused step.
 
-Compute precision comes from a jmp-style policy (``jls.get_policy``),
+Compute precision comes from a jmp-style policy (``jls.precision.get_policy``),
 casting the forward pass's arguments (``policy.cast_arguments``): the forward
 keeps its norms' statistics and its softmax in float32 itself, and the loss
 is computed outside it, in float32 (``policy.wrap`` would cast per op). It
@@ -131,7 +131,7 @@ def forward(params: dict, tokens: jax.Array, heads: int) -> jax.Array:
 
 def make_loss(cfg: Config, mode: str):
     """The mean next-byte cross-entropy, the model run in the mode's dtype."""
-    policy = jls.get_policy(f"p=f32,c={MODES[mode]},o=f32")
+    policy = jls.precision.get_policy(f"p=f32,c={MODES[mode]},o=f32")
 
     def loss_fn(params, tokens):
         logits = policy.cast_arguments(functools.partial(forward, heads=cfg.heads))(

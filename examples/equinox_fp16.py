@@ -1,7 +1,7 @@
 """Train an equinox MLP in float16 with jls: the standard equinox loop.
 
 Float32 master weights (the Module as created), float16 matmuls through a
-jmp-style casting policy (``jls.get_policy``; ``policy.wrap`` casts per op,
+jmp-style casting policy (``jls.precision.get_policy``; ``policy.wrap`` casts per op,
 the loss in float32), dynamic loss scaling, and the
 fused step on the whole Module: ``jls.apply_gradients`` takes the Module as
 it is (its activation function and other non-array leaves pass through), so
@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
 
     x, y = make_data(args.seed)
     model = eqx.nn.MLP(16, 1, 64, 2, activation=jax.nn.gelu, key=jax.random.key(0))
-    policy = jls.get_policy("params=float32,compute=float16,output=float32")
+    policy = jls.precision.get_policy("params=float32,compute=float16,output=float32")
     scaler = jls.dynamic_scale(2.0**24, growth_interval=50)
     tx = jls.loss_scaling(optax.adam(3e-3), scaler, donated=True)  # donate="all"
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))

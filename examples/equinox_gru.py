@@ -1,7 +1,7 @@
 """An equinox GRU classifier trained in float16 with jls (after equinox's GRU example).
 
 The model makes its own carry inside ``__call__``: in float32 it would promote
-every hidden-state matmul back to float32 (``jls.precision_report`` shows
+every hidden-state matmul back to float32 (``jls.precision.precision_report`` shows
 it), so the carry is made in the input's dtype, which the casting policy
 sets to float16 (``policy.cast_arguments``, jmp's argument casting; the
 loss is computed outside, in float32). ``policy.wrap`` casts per op instead,
@@ -64,7 +64,9 @@ def make_data(seed: int, n: int, length: int) -> tuple[jax.Array, jax.Array]:
 
 def make_step(compute: str, tx: Any) -> Any:
     """The jitted train step for a compute dtype ("float16" or "float32")."""
-    policy = jls.get_policy(f"params=float32,compute={compute},output=float32")
+    policy = jls.precision.get_policy(
+        f"params=float32,compute={compute},output=float32"
+    )
 
     def loss_fn(model, xs, ys):
         # The model is an argument of the wrapped function: the policy casts

@@ -3,7 +3,7 @@
 The task: reverse a sequence of digits. Both LSTMs run under ``nn.scan``
 with ``dtype=jnp.float16, param_dtype=jnp.float32``. Three things would
 silently promote the computation back to float32, and each is made in the
-compute dtype here (``jls.precision_report`` shows the difference): the
+compute dtype here (``jls.precision.precision_report`` shows the difference): the
 LSTM's initial carry (linen's ``initialize_carry`` makes it in
 ``param_dtype``), the one-hot inputs (``jax.nn.one_hot`` makes float32),
 and the teacher-forced decoder inputs. ``jls.flax.TrainState`` applies the

@@ -4,79 +4,75 @@ Wrap any optax optimizer with `loss_scaling`, multiply the loss by the
 current scale with `scale_loss`, and jls unscales, checks, skips and adjusts
 inside ``jit``. `apply_gradients` is the fused path and `train_step` a whole
 step built on it; the rules are `dynamic_scale`, `measured_scale`,
-`static_scale`, `no_scale` and the `presets`; `autocast` and `Policy` cast
-the model to half precision per op; `Hook` is the seam every
-optional feature (and a user's own veto) plugs into. ``docs/design.md`` says
-why each public name exists.
+`static_scale`, `no_scale` and the `presets`. Three namespaces hold the
+rest: `jls.hooks` (every optional feature, and the seam for a veto of your
+own), `jls.precision` (what computes in which dtype, and low-precision
+parameters) and `jls.presets` (other frameworks' rules). ``docs/design.md``
+says why each public name exists.
 """
 
+import importlib
 import warnings
 
-from jls import presets
-from jls._autocast import autocast
+from jls import hooks, precision, presets
 from jls._checkpoint import upgrade_state
-from jls._compensated import compensated, stochastic_rounding
-from jls._diagnostics import nonfinite_paths
-from jls._divergence import DivergenceError, raise_if_diverged
 from jls._dynamic import dynamic_scale
 from jls._finite import all_finite
-from jls._hooks import Hook
+from jls._hooks import LossScalingState
 from jls._keep import keep_if_skipped
 from jls._loss_scaling import apply_gradients, loss_scaling, metrics
 from jls._measured import measured_scale
-from jls._policy import Policy, get_policy
-from jls._precision import precision_report
 from jls._rule import LossScaler
-from jls._scale_stats import ScaleStats
 from jls._scaling import scale_loss, unscale
-from jls._set_scale import deprecated_replace_loss_scale_state, set_loss_scale
-from jls._spikes import SpikeRule
+from jls._set_scale import set_loss_scale
 from jls._state import LossScaleState
 from jls._static import no_scale, static_scale
-from jls._step import StepOutput, train_step
+from jls._step import train_step
 from jls._transformation import LossScaling
 from jls._tree import loss_scale_state
 
-__version__ = "0.3.0.dev0"
+__version__ = "0.4.0.dev0"
 
 __all__ = [
-    "DivergenceError",
-    "Hook",
     "LossScaleState",
     "LossScaler",
     "LossScaling",
-    "Policy",
-    "ScaleStats",
-    "SpikeRule",
+    "LossScalingState",
     "all_finite",
     "apply_gradients",
-    "autocast",
-    "compensated",
     "dynamic_scale",
-    "get_policy",
+    "hooks",
     "keep_if_skipped",
     "loss_scale_state",
     "loss_scaling",
     "measured_scale",
     "metrics",
     "no_scale",
-    "nonfinite_paths",
-    "precision_report",
+    "precision",
     "presets",
-    "raise_if_diverged",
     "scale_loss",
     "set_loss_scale",
     "static_scale",
-    "stochastic_rounding",
     "train_step",
     "unscale",
     "upgrade_state",
 ]
 
-# Old names that keep working for one release, with a DeprecationWarning.
-_DEPRECATED = {"replace_loss_scale_state": deprecated_replace_loss_scale_state}
-_MOVED = {"StepOutput": (StepOutput, "the type jls.train_step's step returns")}
-del StepOutput
+# jls 0.3's top-level names that moved into a namespace: they keep working
+# for one release, with a DeprecationWarning naming the new place.
+_MOVED = {
+    "Hook": "hooks",
+    "SpikeRule": "hooks",
+    "ScaleStats": "hooks",
+    "DivergenceError": "hooks",
+    "raise_if_diverged": "hooks",
+    "nonfinite_paths": "hooks",
+    "Policy": "precision",
+    "get_policy": "precision",
+    "precision_report": "precision",
+    "compensated": "precision",
+    "stochastic_rounding": "precision",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -84,8 +80,6 @@ def __getattr__(name: str) -> object:
     # for it without ``import jls.flax`` imports it here (or says what to
     # install), instead of an AttributeError that names nothing.
     if name == "flax":
-        import importlib
-
         try:
             return importlib.import_module("jls.flax")
         except ImportError as err:
@@ -93,15 +87,13 @@ def __getattr__(name: str) -> object:
                 "jls.flax needs flax: pip install -e '.[flax]' in a checkout of "
                 f"jls, then import jls.flax ({err})"
             ) from None
-    if name in _DEPRECATED:
-        return _DEPRECATED[name]
     if name in _MOVED:
-        obj, what = _MOVED[name]
+        place = _MOVED[name]
         warnings.warn(
-            f"jls.{name} is deprecated and will be removed from the top level in "
-            f"jls 0.4: it is {what}; read its fields, no import needed",
+            f"jls.{name} moved to jls.{place}.{name} in jls 0.4; the old name "
+            "will be removed in jls 0.5",
             DeprecationWarning,
             stacklevel=2,
         )
-        return obj
+        return getattr(globals()[place], name)
     raise AttributeError(f"module 'jls' has no attribute {name!r}")

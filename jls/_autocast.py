@@ -1,6 +1,6 @@
 """`autocast`: matmuls in half precision, the ops that need range in float32.
 
-Casting a function's arguments (``jmp``'s way, `jls.Policy.cast_arguments`)
+Casting a function's arguments (``jmp``'s way, `jls.precision.Policy.cast_arguments`)
 runs every op inside in the compute dtype: the matmuls, where float16 pays,
 but also the log-softmax, the exponentials and the mean of the loss, where
 float16's 11 bits and its range of 65504 lose the result. `autocast` casts
@@ -89,7 +89,8 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
       >>> def loss(w, x):
       ...     return jax.nn.logsumexp(x @ w)
       >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
-      >>> report = jls.precision_report(jls.autocast(loss, jnp.float16), w, x)
+      >>> cast = jls.precision.autocast(loss, jnp.float16)
+      >>> report = jls.precision.precision_report(cast, w, x)
       >>> report.counts, report.numerics["exp"], report.numerics["log"]
       ({'float16': 1}, {'float32': 1}, {'float32': 1})
     """

@@ -1,4 +1,11 @@
-"""The hooks that `jls.loss_scaling`'s keyword arguments stand for."""
+"""The hooks `jls.loss_scaling`'s keyword arguments stand for: one function.
+
+Every optional feature is a hook (`jls.hooks`); the keywords are a
+convenience that `hooks_from_options` turns into hook objects, put before
+the ``hooks=`` the caller gives. Whether a hook fits the rest of the
+transformation (an ``axis_name`` to compare over, a donating step) is the
+hook's own `Hook.check`, called by `jls._config.make_config`.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +25,59 @@ from jls._spikes import SpikeRule
 from jls._validate import axis_names, flag
 
 
-def replica_axes(value: Any) -> tuple[str, ...]:
+def hooks_from_options(
+    hooks: Sequence[Hook],
+    *,
+    diagnostics: Any = False,
+    max_consecutive_skips: Any = None,
+    gradient_norm: Any = False,
+    skip_spikes: Any = None,
+    skip_nonfinite: bool = True,
+    check_replicas: Any = False,
+    scale_stats: Any = False,
+) -> tuple[Hook, ...]:
+    """The hooks the keyword arguments stand for, then ``hooks``.
+
+    `NonfiniteLoss` is always on: it skips for every scaler that skips
+    non-finite steps, and only records for one configured to apply them
+    (MindSpore's ``drop_overflow_update=False``, the off switch), so the
+    metrics have the same keys in every setting.
+
+    Raises:
+      TypeError: naming the keyword, for a value of the wrong type.
+    """
+    if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
+        raise TypeError(
+            f"hooks must be a sequence of jls.hooks.Hook, got {hooks!r:.200}"
+        )
+    out: list[Hook] = [NonfiniteLoss(skips=skip_nonfinite)]
+    if flag("diagnostics", diagnostics):
+        out.append(Diagnostics())
+    if max_consecutive_skips is not None:
+        out.append(Divergence(max_consecutive_skips))
+    if flag("gradient_norm", gradient_norm):
+        out.append(GradientNorm())
+    if skip_spikes is not None:
+        if not isinstance(skip_spikes, SpikeRule):
+            raise TypeError(
+                "skip_spikes must be a jls.hooks.SpikeRule or None, got "
+                f"{skip_spikes!r:.200}"
+            )
+        out.append(skip_spikes)
+    if not isinstance(check_replicas, (bool, np.bool_)):
+        out.append(ReplicaCheck(_replica_axes(check_replicas)))
+    elif check_replicas:
+        out.append(ReplicaCheck())
+    if scale_stats is True:
+        out.append(ScaleStats())
+    elif isinstance(scale_stats, ScaleStats):
+        out.append(scale_stats)
+    elif scale_stats is not False and scale_stats is not None:
+        out.append(ScaleStats(scale_stats))  # a dtype, checked there
+    return (*out, *hooks)
+
+
+def _replica_axes(value: Any) -> tuple[str, ...]:
     """``check_replicas`` given as axis names: a str or a tuple of str."""
     try:
         return axis_names("check_replicas", value)
@@ -27,105 +86,3 @@ def replica_axes(value: Any) -> tuple[str, ...]:
             "check_replicas must be a bool, an axis name or a tuple of axis "
             f"names, got {value!r}"
         ) from None
-
-
-def builtin_hooks(
-    diagnostics: Any,
-    max_consecutive_skips: Any,
-    gradient_norm: Any,
-    skip_spikes: Any,
-    skip_nonfinite: bool = True,
-    check_replicas: tuple[Any, tuple[str, ...]] = (False, ()),
-    scale_stats: Any = False,
-) -> list[Hook]:
-    """The hooks the keyword arguments of `loss_scaling` stand for.
-
-    ``check_replicas``: the argument and the transformation's ``axis_name``.
-
-    `NonfiniteLoss` is always on: it skips for every scaler that skips
-    non-finite steps, and only records for one configured to apply them
-    (MindSpore's ``drop_overflow_update=False``, the off switch), so the
-    metrics have the same keys in every setting.
-    """
-    hooks: list[Hook] = [NonfiniteLoss(skips=skip_nonfinite)]
-    if flag("diagnostics", diagnostics):
-        hooks.append(Diagnostics())
-    if max_consecutive_skips is not None:
-        hooks.append(Divergence(max_consecutive_skips))
-    if flag("gradient_norm", gradient_norm):
-        hooks.append(GradientNorm())
-    if skip_spikes is not None:
-        if not isinstance(skip_spikes, SpikeRule):
-            raise TypeError(
-                f"skip_spikes must be a jls.SpikeRule or None, got {skip_spikes!r:.200}"
-            )
-        hooks.append(skip_spikes)
-    check, axis_name = check_replicas
-    axes = () if isinstance(check, (bool, np.bool_)) else replica_axes(check)
-    if axes or flag("check_replicas", check):
-        if not axis_name:
-            raise ValueError(
-                "check_replicas compares the replicas of axis_name: give the "
-                "pmap/shard_map axis the batch is split over, e.g. "
-                "axis_name='batch' (under jit over sharded arrays the gradients "
-                "are global and there is nothing to compare)"
-            )
-        if not set(axes) <= set(axis_name):
-            raise ValueError(
-                f"check_replicas={check!r} must name axes of axis_name={axis_name}"
-            )
-        hooks.append(ReplicaCheck(axes))
-    if scale_stats is True:
-        hooks.append(ScaleStats())
-    elif isinstance(scale_stats, ScaleStats):
-        hooks.append(scale_stats)
-    elif scale_stats is not False and scale_stats is not None:
-        hooks.append(ScaleStats(scale_stats))  # a dtype, checked there
-    return hooks
-
-
-def all_hooks(
-    hooks: Sequence[Hook],
-    diagnostics: Any,
-    max_consecutive_skips: Any,
-    gradient_norm: Any,
-    skip_spikes: Any,
-    skip_nonfinite: bool = True,
-    check_replicas: tuple[Any, tuple[str, ...]] = (False, ()),
-    scale_stats: Any = False,
-    donated: bool = False,
-) -> tuple[Hook, ...]:
-    """The built-in hooks the arguments stand for, then ``hooks``; names unique.
-
-    A sampling `ScaleStats` (``every > 1``) needs ``donated``: its
-    ``lax.cond`` holds the gradients in memory in a step that does not donate.
-    """
-    if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
-        raise TypeError(f"hooks must be a sequence of jls.Hook, got {hooks!r:.200}")
-    out = (
-        *builtin_hooks(
-            diagnostics,
-            max_consecutive_skips,
-            gradient_norm,
-            skip_spikes,
-            skip_nonfinite,
-            check_replicas,
-            scale_stats,
-        ),
-        *hooks,
-    )
-    names = [h.name for h in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"hooks must have distinct names, got {names}")
-    sampled = [h for h in out if isinstance(h, ScaleStats) and h.every > 1]
-    if sampled and not donated:
-        raise ValueError(
-            f"scale_stats=jls.ScaleStats(every={sampled[0].every}) measures "
-            "inside a lax.cond, which pays only when the step donates "
-            "(donated=True, with jax.jit(..., donate_argnums=...)): without "
-            "donation the conditional holds the gradients in memory (on a "
-            "27M-parameter LM, XLA:CPU: 134 MB of temporaries against 3 MB, "
-            "1.27x the step against 1.07x for measuring every step). Use "
-            "scale_stats=True, or donate."
-        )
-    return out

@@ -1,4 +1,4 @@
-"""The interpreter behind `jls.autocast`: a traced program run again, op by op.
+"""The interpreter behind `jls.precision.autocast`: a traced program run again.
 
 `evaluate` runs a closed jaxpr (the function traced once, in the dtypes it
 was called with) on the same arguments, binding each primitive again with

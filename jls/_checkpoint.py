@@ -2,7 +2,7 @@
 
 jls adds fields to its states (``LossScaleState.headroom`` in 0.2, the spike
 rule's ``consecutive_spikes`` in 0.3) and moved the optional features' states
-into ``WrapperState.hooks`` in 0.3, so a checkpoint saved before cannot be
+into ``hooks`` in 0.3, so a checkpoint saved before cannot be
 restored onto a ``tx.init(params)`` target as it is: orbax and
 ``flax.serialization`` find a structure mismatch. `upgrade_state` maps what a
 checkpoint holds onto the target's structure, and fills the fields jls added
@@ -19,14 +19,25 @@ from typing import Any
 import jax
 import numpy as np
 
-from jls._hooks import WrapperState
+from jls._hooks import LossScalingState
 from jls._spikes import SpikeState
 from jls._state import LossScaleState
 
 _MISSING = object()
 
+# jls 0.4 gave every built-in hook a state type that knows its metrics: a
+# hook state that was a bare value (or a dict) in 0.3 is now a NamedTuple's
+# field(s). Per hook, each new field's path inside the 0.3 state.
+_HOOK_FIELDS_0_3 = {
+    "gradient_norm": {"norm": ()},
+    "divergence": {"diverged": ()},
+    "nonfinite_loss": {"nonfinite": ()},
+    "diagnostics": {"nonfinite_leaves": ()},
+    "replicas": {"differ": ("differ",), "mismatches": ("steps",)},
+}
 
-# jls 0.1 and 0.2 kept each feature's state in a WrapperState field of its
+
+# jls 0.1 and 0.2 kept each feature's state in a state field of its
 # own; jls 0.3 keeps them in ``hooks``, by the hook's name.
 _OLD_FIELDS = {
     "diagnostics": "nonfinite_leaves",
@@ -60,13 +71,13 @@ def _child(node: Any, key: Any) -> Any:
 
 def _owned_prefixes(target: Any) -> list[tuple[Any, ...]]:
     """Key paths of the subtrees jls owns (whose fields jls may add)."""
-    kinds = (LossScaleState, SpikeState, WrapperState)
+    kinds = (LossScaleState, SpikeState, LossScalingState)
     found = jax.tree_util.tree_flatten_with_path(
         target, is_leaf=lambda x: isinstance(x, kinds)
     )[0]
     prefixes = []
     for path, node in found:
-        if isinstance(node, WrapperState):
+        if isinstance(node, LossScalingState):
             for name in ("loss_scale", "hooks"):
                 prefixes.append((*path, jax.tree_util.GetAttrKey(name)))
         elif isinstance(node, kinds):
@@ -134,7 +145,13 @@ def upgrade_state(restored: Any, target: Any) -> Any:
 
     def pick(path: tuple[Any, ...], default: Any) -> Any:
         node, walked, renamed = restored, [], False
-        for key in path:
+        for depth, key in enumerate(path):
+            moved = _moved_0_3(path, depth, node)
+            if moved is not None:  # a 0.3 hook state, now a NamedTuple's field
+                for old in moved:
+                    node = _child(node, jax.tree_util.DictKey(old))
+                    walked.append(jax.tree_util.DictKey(old))
+                continue
             child = _child(node, key)
             if renamed:  # an old layout: the hook's state in a field of its own
                 old = _OLD_FIELDS.get(str(getattr(key, "key", "")), "")
@@ -170,6 +187,26 @@ def upgrade_state(restored: Any, target: Any) -> Any:
             f"{sorted(extra)[:10]} (restore into the structure you saved)"
         )
     return jax.tree.map(lambda x: jax.numpy.asarray(x), upgraded)
+
+
+def _moved_0_3(path: tuple[Any, ...], depth: int, node: Any) -> tuple | None:
+    """The 0.3 sub-path of a 0.4 hook state's field at ``path[depth]``, if moved.
+
+    ``path[depth]`` names a field of hook ``path[depth - 1]``'s state, and
+    ``node`` (the restored value there) has no such field: the checkpoint
+    keeps that hook's state as 0.3 did.
+    """
+    if depth < 2 or getattr(path[depth - 2], "name", None) != "hooks":
+        return None
+    fields = _HOOK_FIELDS_0_3.get(str(getattr(path[depth - 1], "key", "")))
+    field = getattr(path[depth], "name", None)
+    if fields is None or not isinstance(field, str) or field not in fields:
+        return None
+    if isinstance(node, dict) and field in node:
+        return None  # saved by jls 0.4
+    if not isinstance(node, dict) and hasattr(node, field):
+        return None
+    return fields[field]
 
 
 def _normalised(path: str) -> str:

@@ -130,7 +130,7 @@ def compensated(
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> tx = jls.compensated(optax.sgd(1e-3))
+      >>> tx = jls.precision.compensated(optax.sgd(1e-3))
       >>> p = jnp.ones(2, jnp.bfloat16)
       >>> s = tx.init(p)
       >>> for _ in range(100):
@@ -218,7 +218,7 @@ def stochastic_rounding(
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> tx = jls.stochastic_rounding(optax.sgd(1e-3))
+      >>> tx = jls.precision.stochastic_rounding(optax.sgd(1e-3))
       >>> p = jnp.ones(1000, jnp.bfloat16)
       >>> s = tx.init(p)
       >>> u, s = tx.update(jnp.ones(1000, jnp.bfloat16), s, p)

@@ -1,7 +1,7 @@
 """The decision: the check, the replicas' agreement and the hooks' vetoes.
 
-`Decisions` is the part of `jls.LossScaling` that decides whether a step is
-applied, kept apart from the part that applies it. It reads the gradients
+Pure functions of a step's `jls._config.Config`: whether a step is applied,
+kept apart from what applies it (`jls._core`). `decide` reads the gradients
 once (`jls._finite`'s magnitude check, or `jls._squares` when the rule or a
 hook needs the range or norm) and makes every replica agree: ``pmin``/``pmax``
 over ``axis_name`` and over every ``shard_map`` axis a value varies over,
@@ -19,11 +19,11 @@ import numpy as np
 from jax import lax
 
 from jls._compat import varying_axes
+from jls._config import Config
 from jls._finite import all_finite, unscaled_finite
-from jls._hooks import Hook, StepInfo, WrapperState
-from jls._rule import LossScaler
+from jls._hooks import StepInfo
 from jls._squares import unscaled_measured, unscaled_norm
-from jls._state import LossScaleState, check_state
+from jls._state import LossScaleState
 
 
 class Decision(NamedTuple):
@@ -43,207 +43,196 @@ class Decision(NamedTuple):
     norm: jax.Array | None = None
 
 
-class Decisions:
-    """How a `jls.LossScaling` decides: its ``scaler``, ``axis_name``, ``hooks``."""
+def decide(
+    config: Config, grads: Any, loss_scale: LossScaleState, *, also_finite: Any = None
+) -> Decision:
+    """The step's decision and measurements, agreed across replicas.
 
-    scaler: LossScaler
-    axis_name: tuple[str, ...]
-    hooks: tuple[Hook, ...]
+    ``finite``: the unscaled gradients (and ``also_finite``) are all
+    finite and the scale lies in the rule's range. ``apply``: ``finite``,
+    or with ``skip_nonfinite=False`` any step whose scale is in range.
+    ``loss_scale`` has been validated (`jls._core.prepare`).
+    """
+    _check_gradient_dtypes(grads)
+    hint_bfloat16(config, grads)
+    scale = loss_scale.scale
+    below_one = config.scaler.min_scale_f32 < 1
+    magnitude = norm = None
+    if config.measures:
+        measured = unscaled_measured(
+            grads, scale, scale_may_be_below_one=below_one, named=config.axis_name
+        )
+        finite, magnitude = measured.finite, measured.magnitude
+        norm = unscaled_norm(measured, scale)
+    else:
+        finite = unscaled_finite(grads, scale, scale_may_be_below_one=below_one)
+    if also_finite is not None:
+        finite = finite & all_finite(also_finite)
+    finite, valid = agree(config, [finite, config.scaler.in_range(scale)], lax.pmin)
+    finite = finite & valid
+    apply = finite if config.scaler.skip_nonfinite else valid
+    return Decision(finite, apply, magnitude, norm)
 
-    @property
-    def measures(self) -> bool:
-        """Whether the check is the squares check (the rule or a hook reads it)."""
-        return self.scaler.measures or any(h.needs_norm for h in self.hooks)
 
-    def _decide(
-        self, grads: Any, loss_scale: LossScaleState, *, also_finite: Any = None
-    ) -> Decision:
-        """The step's decision and measurements, agreed across replicas.
+def vetoes(
+    config: Config, hook_states: dict[str, Any], info: StepInfo, apply: jax.Array
+) -> tuple[dict[str, jax.Array], jax.Array | None]:
+    """Each vetoing hook's agreed veto, and whether one holds the scale.
 
-        ``finite``: the unscaled gradients (and ``also_finite``) are all
-        finite and the scale lies in the rule's range. ``apply``: ``finite``,
-        or with ``skip_nonfinite=False`` any step whose scale is in range.
-        """
-        if not isinstance(loss_scale, LossScaleState):
-            hint = ""
-            if isinstance(loss_scale, WrapperState):
-                hint = " (this is the whole optimizer state: pass its .loss_scale)"
-            raise TypeError(
-                "loss_scale must be a jls.LossScaleState, got "
-                f"{type(loss_scale).__name__}{hint}: {loss_scale!r:.200}"
-            )
-        loss_scale = check_state(loss_scale, argname="loss_scale")
-        _check_gradient_dtypes(grads)
-        self._hint_bfloat16(grads)
-        scale = loss_scale.scale
-        below_one = self.scaler.min_scale_f32 < 1
-        magnitude = norm = None
-        if self.measures:
-            measured = unscaled_measured(
-                grads, scale, scale_may_be_below_one=below_one, named=self.axis_name
-            )
-            finite, magnitude = measured.finite, measured.magnitude
-            norm = unscaled_norm(measured, scale)
-        else:
-            finite = unscaled_finite(grads, scale, scale_may_be_below_one=below_one)
-        if also_finite is not None:
-            finite = finite & all_finite(also_finite)
-        finite, valid = self._agree([finite, self.scaler.in_range(scale)], lax.pmin)
-        finite = finite & valid
-        apply = finite if self.scaler.skip_nonfinite else valid
-        return Decision(finite, apply, magnitude, norm)
-
-    def _vetoes(
-        self, state: WrapperState, info: StepInfo, apply: jax.Array
-    ) -> tuple[dict[str, jax.Array], jax.Array | None]:
-        """Each vetoing hook's agreed veto, and whether one holds the scale.
-
-        A veto counts (skips, is recorded) only on a step that would have
-        been applied; a holding one holds the rule on any step. All are
-        agreed across replicas in one collective.
-        """
-        names, flags = [], []
-        for h in self.hooks:
-            veto = h.veto(state.hooks[h.name], info)
-            if veto is not None:
-                veto = jnp.asarray(veto)
-                if veto.dtype != jnp.bool_ or veto.shape != ():
-                    raise TypeError(
-                        f"hook {h.name!r}: veto must return a scalar bool or None, "
-                        f"got dtype {veto.dtype} and shape {veto.shape}"
-                    )
-                names.append(h.name)
-                flags.append(veto)
-        if not flags:
-            return {}, None
-        agreed = dict(zip(names, self._agree(flags, lax.pmax), strict=True))
-        vetoed = {n: apply & v for n, v in agreed.items()}
-        # A holding veto holds the rule whether or not the step would have
-        # been applied (a nan loss usually brings nan gradients with it).
-        holding = [
-            agreed[h.name] for h in self.hooks if h.holds_scale and h.name in agreed
-        ]
-        held = None
-        if holding:
-            held = holding[0]
-            for v in holding[1:]:
-                held = held | v
-        return vetoed, held
-
-    def _gradient_factor(self, state: WrapperState, info: StepInfo) -> Any:
-        """The product of the hooks' `Hook.gradient_factor` values, or ``None``.
-
-        Checked at trace time: each a floating scalar. A factor that is not
-        finite or not in ``[0, 1]`` would poison or blow up the update: it
-        reads as 1 (no shrink). The replicas take the smallest.
-        """
-        factor = None
-        for h in self.hooks:
-            f = h.gradient_factor(state.hooks[h.name], info)
-            if f is None:
-                continue
-            f = jnp.asarray(f)
-            if f.shape != () or not jnp.issubdtype(f.dtype, jnp.floating):
+    A veto counts (skips, is recorded) only on a step that would have
+    been applied; a holding one holds the rule on any step. All are
+    agreed across replicas in one collective.
+    """
+    names, flags = [], []
+    for h in config.hooks:
+        veto = h.veto(hook_states[h.name], info)
+        if veto is not None:
+            veto = jnp.asarray(veto)
+            if veto.dtype != jnp.bool_ or veto.shape != ():
                 raise TypeError(
-                    f"hook {h.name!r}: gradient_factor must return a floating "
-                    f"scalar or None, got dtype {f.dtype} and shape {f.shape}"
+                    f"hook {h.name!r}: veto must return a scalar bool or None, "
+                    f"got dtype {veto.dtype} and shape {veto.shape}"
                 )
-            f = f.astype(jnp.float32)
-            f = jnp.where((f >= 0) & (f <= 1), f, jnp.float32(1))
-            factor = f if factor is None else factor * f
-        if factor is None:
-            return None
-        # Every replica applies the same update: the smallest factor.
-        axes = self._axes(factor)
-        return lax.pmin(factor, axes) if axes else factor
+            names.append(h.name)
+            flags.append(veto)
+    if not flags:
+        return {}, None
+    agreed = dict(zip(names, agree(config, flags, lax.pmax), strict=True))
+    vetoed = {n: apply & v for n, v in agreed.items()}
+    # A holding veto holds the rule whether or not the step would have
+    # been applied (a nan loss usually brings nan gradients with it).
+    holding = [
+        agreed[h.name] for h in config.hooks if h.holds_scale and h.name in agreed
+    ]
+    held = None
+    if holding:
+        held = holding[0]
+        for v in holding[1:]:
+            held = held | v
+    return vetoed, held
 
-    def _axes(self, x: jax.Array) -> tuple[str, ...]:
-        """``axis_name`` and every other ``shard_map`` axis ``x`` varies over."""
-        named = self.axis_name
-        return named + tuple(sorted(varying_axes(x) - set(named)))
 
-    def _pop_loss(self, extra_args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """``loss=`` for the hooks that watch it, taken out of the inner's args.
+def gradient_factor(config: Config, hook_states: dict[str, Any], info: StepInfo) -> Any:
+    """The product of the hooks' `Hook.gradient_factor` values, or ``None``.
 
-        Every replica watches the same loss: the replicas' mean (non-finite
-        if any replica's is).
-        """
-        watchers = [h.name for h in self.hooks if h.needs_loss]
-        readers = watchers or [h.name for h in self.hooks if h.reads_loss]
-        if not readers:
-            return None, extra_args
-        rest = dict(extra_args)
-        loss = rest.pop("loss", None)
-        if loss is None:
-            if not watchers:
-                return None, rest
+    Checked at trace time: each a floating scalar. A factor that is not
+    finite or not in ``[0, 1]`` would poison or blow up the update: it
+    reads as 1 (no shrink). The replicas take the smallest.
+    """
+    factor = None
+    for h in config.hooks:
+        f = h.gradient_factor(hook_states[h.name], info)
+        if f is None:
+            continue
+        f = jnp.asarray(f)
+        if f.shape != () or not jnp.issubdtype(f.dtype, jnp.floating):
             raise TypeError(
-                f"the hooks {watchers} watch the loss: pass loss=<the unscaled "
-                "loss> to update / apply_gradients (jls.train_step passes it)"
+                f"hook {h.name!r}: gradient_factor must return a floating "
+                f"scalar or None, got dtype {f.dtype} and shape {f.shape}"
             )
-        loss = jnp.asarray(loss)
-        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-            raise TypeError(
-                f"loss must be a floating scalar, got dtype {loss.dtype} and shape "
-                f"{loss.shape}"
-            )
-        loss = loss.astype(jnp.float32)
-        axes = self._axes(loss)
-        return (lax.pmean(loss, axes) if axes else loss), rest
+        f = f.astype(jnp.float32)
+        f = jnp.where((f >= 0) & (f <= 1), f, jnp.float32(1))
+        factor = f if factor is None else factor * f
+    if factor is None:
+        return None
+    # Every replica applies the same update: the smallest factor.
+    axes = axes_of(config, factor)
+    return lax.pmin(factor, axes) if axes else factor
 
-    def _agree(self, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
-        """Bool ``flags`` reduced across replicas, in one collective.
 
-        ``reduce`` is ``lax.pmin`` (true on every replica) or ``lax.pmax``
-        (true on any), over ``axis_name`` and every ``shard_map`` axis the
-        flags vary over: under ``shard_map`` a flag computed from gradients
-        sharded over an axis the user did not name (model-parallel
-        parameters, say) varies over it too.
-        """
-        out = []
-        for group in _by_shape(flags):
-            stacked = jnp.stack([f.astype(jnp.int32) for f in group])
-            axes = self._axes(stacked)
-            agreed = reduce(stacked, axes) > 0 if axes else stacked > 0
-            out.extend(agreed[i] for i in range(len(group)))
-        return out
+def axes_of(config: Config, x: jax.Array) -> tuple[str, ...]:
+    """``axis_name`` and every other ``shard_map`` axis ``x`` varies over."""
+    named = config.axis_name
+    return named + tuple(sorted(varying_axes(x) - set(named)))
 
-    def _same(
-        self, values: list[jax.Array], axes: tuple[str, ...] | None = None
-    ) -> jax.Array:
-        """Whether float32 scalar ``values`` are bitwise equal on every replica.
 
-        Over ``axes`` (default ``axis_name``): a model-parallel axis
-        legitimately holds different values. One collective: the maximum of
-        the bits and of their complement (``~b``, whose maximum is
-        ``~min(b)``).
-        """
-        axes = self.axis_name if axes is None else axes
-        if not axes:
-            return jnp.asarray(True)
-        bits = lax.bitcast_convert_type(jnp.stack(values), jnp.int32)
-        both = lax.pmax(jnp.concatenate([bits, ~bits]), axes)
-        n = bits.shape[0]
-        return jnp.all(both[:n] == bits) & jnp.all(~both[n:] == bits)
+def loss_for_hooks(
+    config: Config, extra_args: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``loss=`` for the hooks that watch it, taken out of the inner's args.
 
-    def _hint_bfloat16(self, grads: Any) -> None:
-        """Warns, at trace time, that bfloat16 gradients need no dynamic scale."""
-        if self.scaler.measures or not self.scaler.is_dynamic:
-            return
-        dtypes = {
-            np.dtype(x.dtype)
-            for x in jax.tree.leaves(grads)
-            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-        }
-        if dtypes == {np.dtype(jnp.bfloat16)}:
-            warnings.warn(
-                "every gradient is bfloat16, which has float32's range: a dynamic "
-                "loss scale only costs time there. For skip-on-nan use "
-                "jls.loss_scaling(inner, jls.no_scale()); loss scaling is for "
-                "float16 (and fp8) gradients",
-                UserWarning,
-                stacklevel=5,
-            )
+    Every replica watches the same loss: the replicas' mean (non-finite
+    if any replica's is).
+    """
+    watchers = [h.name for h in config.hooks if h.needs_loss]
+    readers = watchers or [h.name for h in config.hooks if h.reads_loss]
+    if not readers:
+        return None, extra_args
+    rest = dict(extra_args)
+    loss = rest.pop("loss", None)
+    if loss is None:
+        if not watchers:
+            return None, rest
+        raise TypeError(
+            f"the hooks {watchers} watch the loss: pass loss=<the unscaled "
+            "loss> to update / apply_gradients (jls.train_step passes it)"
+        )
+    loss = jnp.asarray(loss)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(
+            f"loss must be a floating scalar, got dtype {loss.dtype} and shape "
+            f"{loss.shape}"
+        )
+    loss = loss.astype(jnp.float32)
+    axes = axes_of(config, loss)
+    return (lax.pmean(loss, axes) if axes else loss), rest
+
+
+def agree(config: Config, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
+    """Bool ``flags`` reduced across replicas, in one collective.
+
+    ``reduce`` is ``lax.pmin`` (true on every replica) or ``lax.pmax``
+    (true on any), over ``axis_name`` and every ``shard_map`` axis the
+    flags vary over: under ``shard_map`` a flag computed from gradients
+    sharded over an axis the user did not name (model-parallel
+    parameters, say) varies over it too.
+    """
+    out = []
+    for group in _by_shape(flags):
+        stacked = jnp.stack([f.astype(jnp.int32) for f in group])
+        axes = axes_of(config, stacked)
+        agreed = reduce(stacked, axes) > 0 if axes else stacked > 0
+        out.extend(agreed[i] for i in range(len(group)))
+    return out
+
+
+def same_on_replicas(
+    config: Config, values: list[jax.Array], axes: tuple[str, ...] | None = None
+) -> jax.Array:
+    """Whether float32 scalar ``values`` are bitwise equal on every replica.
+
+    Over ``axes`` (default ``axis_name``): a model-parallel axis
+    legitimately holds different values. One collective: the maximum of
+    the bits and of their complement (``~b``, whose maximum is
+    ``~min(b)``).
+    """
+    axes = config.axis_name if axes is None else axes
+    if not axes:
+        return jnp.asarray(True)
+    bits = lax.bitcast_convert_type(jnp.stack(values), jnp.int32)
+    both = lax.pmax(jnp.concatenate([bits, ~bits]), axes)
+    n = bits.shape[0]
+    return jnp.all(both[:n] == bits) & jnp.all(~both[n:] == bits)
+
+
+def hint_bfloat16(config: Config, grads: Any) -> None:
+    """Warns, at trace time, that bfloat16 gradients need no dynamic scale."""
+    if config.scaler.measures or not config.scaler.is_dynamic:
+        return
+    dtypes = {
+        np.dtype(x.dtype)
+        for x in jax.tree.leaves(grads)
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    }
+    if dtypes == {np.dtype(jnp.bfloat16)}:
+        warnings.warn(
+            "every gradient is bfloat16, which has float32's range: a dynamic "
+            "loss scale only costs time there. For skip-on-nan use "
+            "jls.loss_scaling(inner, jls.no_scale()); loss scaling is for "
+            "float16 (and fp8) gradients",
+            UserWarning,
+            stacklevel=5,
+        )
 
 
 def _by_shape(flags: list[jax.Array]) -> list[list[jax.Array]]:

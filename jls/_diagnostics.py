@@ -10,14 +10,14 @@ it was non-finite on any), and `nonfinite_paths` names them on the host.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._hooks import Hook, StepInfo, WrapperState
+from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._scaling import reciprocals, unscale_leaf
 from jls._tree import find_one, plain
 
@@ -57,30 +57,40 @@ def nonfinite_leaf_flags(tree: Any, finite: jax.Array, scale: jax.Array) -> Any:
     return jax.tree.unflatten(treedef, lax.cond(finite, no_flags, flags, leaves))
 
 
+class DiagnosticsState(NamedTuple):
+    """Per gradient leaf, whether it was not finite on the latest step."""
+
+    nonfinite_leaves: Any
+
+    def metrics(self) -> dict[str, Any]:
+        """``nonfinite_leaves``: a tree of bools like the parameters."""
+        return {"nonfinite_leaves": plain(self.nonfinite_leaves)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Diagnostics(Hook):
     """Records which gradient leaves were not finite on the latest step."""
 
     name = "diagnostics"
 
-    def init(self, params: Any) -> Any:
-        return jax.tree.map(lambda _: jnp.asarray(np.bool_(False)), params)
+    def init(self, params: Any) -> DiagnosticsState:
+        flags = jax.tree.map(lambda _: jnp.asarray(np.bool_(False)), params)
+        return DiagnosticsState(flags)
 
-    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> DiagnosticsState:
         del vetoed
         new = nonfinite_leaf_flags(info.grads, info.finite, info.scale)
-        if jax.tree.structure(new) != jax.tree.structure(state):
+        old = state.nonfinite_leaves
+        if jax.tree.structure(new) != jax.tree.structure(old):
             raise TypeError(
                 "with diagnostics=True the gradients must have the structure of "
-                f"the parameters: {jax.tree.structure(state)}, got "
+                f"the parameters: {jax.tree.structure(old)}, got "
                 f"{jax.tree.structure(new)}"
             )
         leaves, treedef = jax.tree.flatten(new)  # non-finite on any replica
-        return jax.tree.unflatten(treedef, info.any_replica(leaves)) if leaves else new
-
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        return {"nonfinite_leaves": plain(state)}
+        if leaves:
+            new = jax.tree.unflatten(treedef, info.any_replica(leaves))
+        return DiagnosticsState(new)
 
 
 def nonfinite_paths(opt_state: Any) -> list[str]:
@@ -105,23 +115,25 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
       >>> params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
       >>> grads = {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}
       >>> _, state = tx.update(grads, tx.init(params), params)
-      >>> jls.nonfinite_paths(state)
+      >>> jls.hooks.nonfinite_paths(state)
       ["['b']"]
     """
     wrapper = find_one(
         opt_state,
-        WrapperState,
+        LossScalingState,
         "jls.loss_scaling state",
         "Pass the state of a jls.loss_scaling(..., diagnostics=True) transformation.",
     )
-    flags = plain(wrapper.hooks).get(Diagnostics.name)
-    if flags is None:
+    state = plain(wrapper.hooks).get(Diagnostics.name)
+    if state is None:
         raise ValueError(
             "this state records no per-leaf diagnostics: make the transformation "
             "with jls.loss_scaling(..., diagnostics=True)"
         )
     return [
         jax.tree_util.keystr(path)
-        for path, flag in jax.tree_util.tree_flatten_with_path(flags)[0]
+        for path, flag in jax.tree_util.tree_flatten_with_path(state.nonfinite_leaves)[
+            0
+        ]
         if bool(np.any(np.asarray(flag)))
     ]

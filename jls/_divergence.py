@@ -16,20 +16,31 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.experimental import checkify
 
-from jls._hooks import Hook, StepInfo, WrapperState
+from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._tree import find_all, loss_scale_state, plain
 from jls._validate import integer
 
 # The default divergence limit: a run that skipped this many steps in a row
 # can only skip (DeepSpeed stops at its minimum scale, MindSpore after 1000).
 DIVERGENCE_LIMIT = 1000
+
+
+class DivergenceState(NamedTuple):
+    """Whether a run skipped ``limit`` steps in a row (sticky bool)."""
+
+    diverged: jax.Array
+
+    def metrics(self) -> dict[str, Any]:
+        """``diverged``."""
+        return {"diverged": plain(self.diverged)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +56,15 @@ class Divergence(Hook):
             self, "limit", integer("max_consecutive_skips", self.limit, 1)
         )
 
-    def init(self, params: Any) -> Any:
+    def init(self, params: Any) -> DivergenceState:
         del params
-        return jnp.asarray(np.bool_(False))
+        return DivergenceState(jnp.asarray(np.bool_(False)))
 
-    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> DivergenceState:
         del vetoed
         assert info.loss_scale is not None
-        return state | (info.loss_scale.consecutive_skips >= jnp.int32(self.limit))
-
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        return {"diverged": plain(state)}
+        limit = info.loss_scale.consecutive_skips >= jnp.int32(self.limit)
+        return DivergenceState(state.diverged | limit)
 
 
 class DivergenceError(RuntimeError):
@@ -69,8 +77,8 @@ class DivergenceError(RuntimeError):
       >>> for _ in range(5):
       ...     state = scaler.adjust(state, False)
       >>> try:
-      ...     jls.raise_if_diverged(state, max_consecutive_skips=3)
-      ... except jls.DivergenceError as e:
+      ...     jls.hooks.raise_if_diverged(state, max_consecutive_skips=3)
+      ... except jls.hooks.DivergenceError as e:
       ...     print(type(e).__name__)
       DivergenceError
     """
@@ -84,7 +92,7 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
         return state.consecutive_skips >= jnp.int32(limit), str(limit)
     found = [
         w.hooks[Divergence.name]
-        for _, w in find_all(opt_state, WrapperState)
+        for _, w in find_all(opt_state, LossScalingState)
         if Divergence.name in w.hooks
     ]
     if len(found) != 1:
@@ -94,7 +102,7 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
             "keeps the diverged flag); found "
             f"{len(found) or 'none'}"
         )
-    return plain(found[0]), "set by loss_scaling's max_consecutive_skips"
+    return plain(found[0].diverged), "set by loss_scaling's max_consecutive_skips"
 
 
 def _under_checkify() -> bool:
@@ -149,11 +157,11 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) 
       >>> for _ in range(2):
       ...     _, state = tx.update(jnp.full(2, jnp.nan), state, params)
       >>> try:
-      ...     jls.raise_if_diverged(state)
-      ... except jls.DivergenceError as err:
+      ...     jls.hooks.raise_if_diverged(state)
+      ... except jls.hooks.DivergenceError as err:
       ...     print(str(err)[:53])
       jls: loss scaling diverged: 2 consecutive skipped ste
-      >>> err = jax.jit(checkify.checkify(jls.raise_if_diverged))(state)[0]
+      >>> err = jax.jit(checkify.checkify(jls.hooks.raise_if_diverged))(state)[0]
       >>> print(err.get().splitlines()[0][:53])
       jls: loss scaling diverged: 2 consecutive skipped ste
     """
@@ -162,10 +170,10 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) 
     if isinstance(flags, Tracer):
         if not _under_checkify():
             raise TypeError(
-                "jls.raise_if_diverged was called inside jit (or another jax "
+                "jls.hooks.raise_if_diverged was called inside jit (or another jax "
                 "transformation) without checkify, where it cannot raise. Call it "
                 "on the host after the step, where you log metrics: "
-                "params, opt_state = step(...); jls.raise_if_diverged(opt_state) "
+                "params, opt_state = step(...); jls.hooks.raise_if_diverged(opt_state) "
                 "(it reads one flag); or wrap the step in "
                 "jax.experimental.checkify.checkify and call err.throw()"
             )

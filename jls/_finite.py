@@ -1,15 +1,14 @@
 """The all-finite check: one pass over the gradients, exact, at memory speed.
 
-Design (chosen by measurement; ``benchmarks/bench_all_finite.py`` re-runs it):
+Design (chosen by measurement: ``benchmarks/bench_all_finite.py`` re-runs it,
+``docs/performance.md`` has the figures):
 
 * For float32, bfloat16, float64 and complex leaves the check is a sum of magnitudes per
   leaf (``sum(|x| * 2**-k)``, see below; accumulated in float32, or in the leaf's own
-  dtype when wider) followed by one ``isfinite`` of the total. On XLA:CPU it runs at
-  0.6-0.75x a plain sum when called alone (bfloat16 in a few large leaves: 0.4x, the
-  shrink's multiplication breaks XLA:CPU's fast convert-and-sum loop) (and costs nothing
-  measurable inside a train step, where XLA fuses it with work it does anyway), where
-  ``jnp.isfinite(x).all()`` costs 2-4x, any select 5-8x, and an integer reduction over
-  the bits (exponent max) 4-10x: it does not vectorise. ``jnp.max`` is never used: on
+  dtype when wider) followed by one ``isfinite`` of the total. Called alone it runs at
+  about a plain sum's speed, and inside a train step XLA fuses it with work it does
+  anyway; ``jnp.isfinite(x).all()``, any select and an integer reduction over the bits
+  all cost several times more (they do not vectorise). ``jnp.max`` is never used: on
   XLA:CPU it drops nan on large arrays.
 * Why magnitudes, and not the plain sum (jls 0.1): the gradient is usually produced in
   the same ``jit``, and the compiler fuses its producer into the reduction. With a plain
@@ -72,8 +71,7 @@ def runs(parts: list[Any]) -> list[list[Any]]:
     The first `SMALL_GROUP` elements share one; each part past that has its
     own. A concatenation is a temporary copy, so sharing is capped: on a model
     of thousands of small leaves one concatenation held a copy of every
-    gradient (33 MB of temporaries for 8M parameters in 1,000 leaves, where
-    plain Adam holds none; ``benchmarks/bench_sweep.py``).
+    gradient, where plain Adam holds none (``benchmarks/bench_sweep.py``).
     """
     shared: list[Any] = []
     own: list[list[Any]] = []
@@ -216,8 +214,8 @@ def all_finite(tree: Any) -> jax.Array:
 def _all_finite_jit(tree: Any) -> jax.Array:
     # Jitted so that an eager call is one dispatch, not one per leaf. Inside a
     # caller's jit it is a nested call that XLA inlines; the train step calls
-    # it too: on XLA:CPU the step then compiles about 4% faster on the
-    # README's LM (each large reduction stays one kernel instead of two).
+    # it too: on XLA:CPU each large reduction then stays one kernel instead of
+    # two, and the step compiles faster.
     return leaves_finite(inexact_leaves(tree))
 
 

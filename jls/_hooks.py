@@ -1,10 +1,9 @@
 """The seam: hooks the step consults, and the transformation's state.
 
-Every optional feature of a step is a `Hook`: the gradient norm, the per-leaf
-diagnostics, the divergence flag and the spike rule (each in a module of its
-own), and any veto a user writes. The core (`jls.LossScaling`) knows hooks
-only through this class, so adding one never grows it. A step, inside
-``jit``:
+Every optional feature of a step is a `Hook`, each in a module of its own
+(`jls.hooks` lists them), and so is any veto a user writes. The step
+(`jls._core`) knows hooks only through this class, so adding one never grows
+it. A step, inside ``jit``:
 
 1. The check decides whether the gradients are finite (and measures their
    norm if a hook asked for it); every replica agrees.
@@ -19,7 +18,7 @@ only through this class, so adding one never grows it. A step, inside
 
 A user's own veto, in a few lines::
 
-    class SkipHighLoss(jls.Hook):
+    class SkipHighLoss(jls.hooks.Hook):
         name = "skip_high_loss"
         needs_loss = True
 
@@ -36,28 +35,49 @@ A user's own veto, in a few lines::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 
 from jls._state import LossScaleState
 
 
-class WrapperState(NamedTuple):
+class LossScalingState(NamedTuple):
     """The state of a `jls.loss_scaling` transformation.
 
     Attributes:
       loss_scale: the `jls.LossScaleState` (scale and counters).
       inner_state: the wrapped optimizer's state; bitwise unchanged by a
         skipped step.
-      hooks: each hook's state, by the hook's name (``"gradient_norm"``,
-        ``"diagnostics"``, ``"divergence"``, ``"spikes"``, a user's).
+      hooks: each hook's state, by the hook's name; a built-in hook's state
+        is a NamedTuple whose ``metrics()`` `jls.metrics` reports.
     """
 
     loss_scale: LossScaleState
     inner_state: Any
     hooks: dict[str, Any] = {}
+
+
+# The name jls 0.3 gave it (kept for code that imported it from here).
+WrapperState = LossScalingState
+
+
+class HookContext(NamedTuple):
+    """What a hook may check its compatibility against (`Hook.check`).
+
+    Attributes:
+      scaler: the transformation's `jls.LossScaler`.
+      axis_name: its ``axis_name``, a tuple (empty without one).
+      hooks: every hook of the transformation, in order.
+      donated: whether the step says it donates (``donated=True``).
+    """
+
+    scaler: Any
+    axis_name: tuple[str, ...]
+    hooks: tuple[Any, ...]
+    donated: bool
 
 
 class StepInfo(NamedTuple):
@@ -86,7 +106,7 @@ class StepInfo(NamedTuple):
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> class Seen(jls.Hook):  # records the latest norm and whether applied
+      >>> class Seen(jls.hooks.Hook):  # records the latest norm and whether applied
       ...     name = "seen"
       ...     needs_norm = True
       ...     def init(self, params):
@@ -120,9 +140,9 @@ class Hook:
     Subclasses set ``name`` (the key of the hook's state, unique among a
     transformation's hooks) and the flags they need; every method has a
     default that does nothing. Hooks are configuration: make them immutable
-    (a frozen dataclass, say), so that a transformation is too. `metrics`
-    is a classmethod: `jls.metrics` reads a state without the hook objects,
-    finding each hook's class by its ``name``.
+    (a frozen dataclass, say), so that a transformation is too. What
+    `jls.metrics` reports of a hook is its state's: a state that is a
+    NamedTuple with a ``metrics(self)`` method, as every built-in hook's.
 
     Attributes:
       name: the key of this hook's state in the transformation's state.
@@ -137,7 +157,7 @@ class Hook:
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> class SkipHighLoss(jls.Hook):
+      >>> class SkipHighLoss(jls.hooks.Hook):
       ...     name = "skip_high_loss"
       ...     needs_loss = True
       ...     def veto(self, state, info):
@@ -158,11 +178,30 @@ class Hook:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
-            _REGISTRY[cls.name] = cls
+        if isinstance(cls.__dict__.get("metrics"), classmethod):
+            warnings.warn(
+                f"{cls.__name__}.metrics: a hook's metrics come from its state in "
+                "jls 0.4 (jls.metrics reads the state, not a registry of hook "
+                "classes): return a NamedTuple with a metrics(self) method from "
+                "init and update, and drop the classmethod",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+
+    def check(self, context: HookContext) -> None:
+        """Raises if this hook cannot work with the rest of the transformation.
+
+        Called once, when the transformation is made (e.g. a hook that needs
+        an ``axis_name``, or a donating step). The default accepts anything.
+        """
+        del context
 
     def init(self, params: Any) -> Any:
-        """The hook's state before the first step (a pytree of arrays)."""
+        """The hook's state before the first step (a pytree of arrays).
+
+        A NamedTuple with a ``metrics(self) -> dict`` method is reported by
+        `jls.metrics`; any other state is kept but not reported.
+        """
         del params
         return ()
 
@@ -188,21 +227,25 @@ class Hook:
         del info, vetoed
         return state
 
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        """What `jls.metrics` reports of this hook's state."""
-        del state
-        return {}
-
-
-_REGISTRY: dict[str, type[Hook]] = {}
-
 
 def hook_metrics(hooks: dict[str, Any]) -> dict[str, Any]:
-    """Every hook's `Hook.metrics`, from the states by name."""
+    """What each hook's state reports: its ``metrics()``, where it has one.
+
+    A state without a ``metrics`` method (a user hook's plain arrays) reports
+    nothing. Two states reporting the same key are refused: each key must say
+    one thing.
+    """
     out: dict[str, Any] = {}
     for name, state in hooks.items():
-        cls = _REGISTRY.get(name)
-        if cls is not None:
-            out.update(cls.metrics(state))
+        report = getattr(state, "metrics", None)
+        if not callable(report):
+            continue
+        reported = cast(dict[str, Any], report())
+        for key, value in reported.items():
+            if key in out:
+                raise ValueError(
+                    f"the hooks' states report {key!r} twice (hook {name!r} and "
+                    "another): give the hooks' metrics distinct names"
+                )
+            out[key] = value
     return out

@@ -13,12 +13,13 @@ from typing import Any
 import jax
 import optax
 
+from jls._core import step
 from jls._divergence import DIVERGENCE_LIMIT
-from jls._hooks import Hook, WrapperState, hook_metrics
+from jls._hooks import Hook, LossScalingState, hook_metrics
 from jls._inner import Transformation
 from jls._rule import LossScaler
 from jls._spikes import SpikeRule
-from jls._transformation import MISSING, LossScaling
+from jls._transformation import MISSING, LossScaling, config_of
 from jls._tree import loss_scale_state
 
 
@@ -55,13 +56,9 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         skipped with the scale held, unless the scaler applies non-finite
         steps (then it is only recorded). These keys are the same for every
         scaler, the off switch included: one logger serves every precision.
-      * each hook's: ``nonfinite_leaves`` (``diagnostics=True``),
-        ``diverged`` (``max_consecutive_skips``), ``gradient_norm``
-        (``gradient_norm=True``), ``spike`` and ``total_spikes``
-        (``skip_spikes``), ``replicas_differ`` and ``replica_mismatches``
-        (``check_replicas=True``), ``underflow_fraction`` and
-        ``headroom_bits`` (``scale_stats``), and a user hook's
-        `jls.Hook.metrics`.
+      * what each hook's state reports (its ``metrics()``): the built-in
+        hooks' keys are listed by `jls.hooks.builtin_metrics`, read from the
+        code; a user hook's are its state's.
 
     Example:
       >>> import jls
@@ -80,7 +77,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         "growth_count": state.growth_count,
         "retries": state.retries,
     }
-    wrappers = optax.tree.get_all_with_path(opt_state, WrapperState.__name__)
+    wrappers = optax.tree.get_all_with_path(opt_state, LossScalingState.__name__)
     if len(wrappers) == 1:
         out.update(hook_metrics(dict(wrappers[0][1].hooks)))
     return out
@@ -135,13 +132,14 @@ def loss_scaling(
         Not needed under ``jit`` with sharded arrays, where the check is
         already global.
       diagnostics: record which gradient leaves were not finite on the latest
-        step (``jls.metrics(...)["nonfinite_leaves"]``, `jls.nonfinite_paths`). Costs
-        nothing on finite steps; a skipped step makes one more exact pass.
+        step (``jls.metrics(...)["nonfinite_leaves"]``,
+        `jls.hooks.nonfinite_paths`). Costs nothing on finite steps; a skipped
+        step makes one more exact pass.
       max_consecutive_skips: the divergence limit, an int in ``[1, 2**31 -
         1]``: the state's ``diverged`` flag turns ``True`` on the step that
         makes this many skipped steps in a row, and stays ``True``. It is
         plain state, exact under ``vmap``, ``scan`` and ``pmap``;
-        `jls.raise_if_diverged` raises `jls.DivergenceError` from it (on the
+        `jls.hooks.raise_if_diverged` raises `jls.hooks.DivergenceError` from it (on the
         host after the step, where you log metrics: it reads one flag; or
         inside ``jit`` under ``checkify``). Default 1000 (reading the flag
         costs nothing until you call it); ``None``: no flag.
@@ -152,7 +150,7 @@ def loss_scaling(
         ``optax.global_norm``), exact for every finite norm (inf past the
         float32 maximum, and inf after a non-finite step: never nan); finite
         gradients are never reported non-finite.
-      skip_spikes: a `jls.SpikeRule`: also skip a step whose gradient norm
+      skip_spikes: a `jls.hooks.SpikeRule`: also skip a step whose gradient norm
         (or loss, given as ``loss=``) is an outlier against its running
         statistics. Composes with every scaler, ``no_scale()`` included.
       check_replicas: with ``axis_name``: compare a fingerprint of the
@@ -167,7 +165,7 @@ def loss_scaling(
         confined to other elements is not. Vetoed finite steps count too.
         Under ``shard_map`` with ``check_vma=True`` jax's types already keep
         replicas equal: nothing is compared.
-      hooks: further `jls.Hook` objects the step consults (a veto of your
+      hooks: further `jls.hooks.Hook` objects the step consults (a veto of your
         own, say); the arguments above add the built-in ones.
       donated: whether your jitted step donates the parameters and the
         optimizer state (``jax.jit(step, donate_argnums=...)``). It chooses
@@ -182,7 +180,7 @@ def loss_scaling(
         ``jls.metrics(...)["underflow_fraction"]`` (the fraction of entries
         below its smallest normal, zeros included) and ``["headroom_bits"]``
         (``log2(dtype max / max |g|)``, ``-inf`` after a non-finite step);
-        or a `jls.ScaleStats` (``every=n``: measure one step in ``n``).
+        or a `jls.hooks.ScaleStats` (``every=n``: measure one step in ``n``).
 
     Returns:
       ``LossScaling(...).gradient_transformation()``: an
@@ -228,7 +226,7 @@ def apply_gradients(
     opt_state: optax.OptState,
     params: optax.Params = MISSING,
     **extra_args: Any,
-) -> tuple[optax.Params, WrapperState]:
+) -> tuple[optax.Params, LossScalingState]:
     """Applies one loss-scaled step to the parameters: the fused path.
 
     Equivalent to ``updates, opt_state = tx.update(grads, opt_state, params)``
@@ -266,9 +264,9 @@ def apply_gradients(
       Array([0.5, 0.5], dtype=float32)
     """
     if params is MISSING:
-        got = "params" if isinstance(opt_state, WrapperState) else "opt_state"
+        got = "params" if isinstance(opt_state, LossScalingState) else "opt_state"
         raise TypeError(
             "apply_gradients(tx, grads, opt_state, params) takes four arguments; "
             f"{got} is missing (got tx, grads and one more)"
         )
-    return LossScaling._of(tx).apply_gradients(grads, opt_state, params, **extra_args)
+    return step(config_of(tx), grads, opt_state, params, extra_args, fused=True)

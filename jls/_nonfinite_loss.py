@@ -19,7 +19,7 @@ every setting and one logger serves every precision.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,16 @@ import numpy as np
 
 from jls._hooks import Hook, StepInfo
 from jls._tree import plain
+
+
+class NonfiniteLossState(NamedTuple):
+    """Whether the latest step's loss was not finite (bool)."""
+
+    nonfinite: jax.Array
+
+    def metrics(self) -> dict[str, Any]:
+        """``nonfinite_loss``."""
+        return {"nonfinite_loss": plain(self.nonfinite)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +52,9 @@ class NonfiniteLoss(Hook):
     reads_loss = True
     holds_scale = True
 
-    def init(self, params: Any) -> Any:
+    def init(self, params: Any) -> NonfiniteLossState:
         del params
-        return jnp.asarray(np.bool_(False))
+        return NonfiniteLossState(jnp.asarray(np.bool_(False)))
 
     def veto(self, state: Any, info: StepInfo) -> jax.Array | None:
         del state
@@ -52,17 +62,13 @@ class NonfiniteLoss(Hook):
             return None
         return ~jnp.isfinite(info.loss)
 
-    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> NonfiniteLossState:
         del vetoed
         return self.recorded(state, info.loss)
 
     @staticmethod
-    def recorded(state: Any, loss: Any) -> Any:
+    def recorded(state: Any, loss: Any) -> NonfiniteLossState:
         """The new state: whether ``loss`` (``None``: not given) is not finite."""
         if loss is None:
-            return state & False
-        return ~jnp.isfinite(loss)
-
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        return {"nonfinite_loss": plain(state)}
+            return NonfiniteLossState(state.nonfinite & False)
+        return NonfiniteLossState(~jnp.isfinite(loss))

@@ -12,13 +12,24 @@ logger still sees the step was not finite.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jls._hooks import Hook, StepInfo
 from jls._tree import plain
+
+
+class GradientNormState(NamedTuple):
+    """The latest step's global norm of the unscaled gradients (float32)."""
+
+    norm: jax.Array
+
+    def metrics(self) -> dict[str, Any]:
+        """``gradient_norm``."""
+        return {"gradient_norm": plain(self.norm)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,15 +39,13 @@ class GradientNorm(Hook):
     name = "gradient_norm"
     needs_norm = True
 
-    def init(self, params: Any) -> Any:
+    def init(self, params: Any) -> GradientNormState:
         del params
-        return jnp.asarray(np.float32(0))
+        return GradientNormState(jnp.asarray(np.float32(0)))
 
-    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> GradientNormState:
         del state, vetoed
         norm = jnp.asarray(info.norm)  # needs_norm: the step measured it
-        return jnp.where(jnp.isnan(norm), jnp.asarray(np.inf, norm.dtype), norm)
-
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        return {"gradient_norm": plain(state)}
+        return GradientNormState(
+            jnp.where(jnp.isnan(norm), jnp.asarray(np.inf, norm.dtype), norm)
+        )

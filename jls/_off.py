@@ -37,10 +37,9 @@ import numpy as np
 import optax
 
 from jls._divergence import Divergence
-from jls._hooks import Hook, WrapperState
+from jls._hooks import Hook, LossScalingState
 from jls._nonfinite_loss import NonfiniteLoss
 from jls._rule import LossScaler
-from jls._tree import merge, split_frozen, split_inexact
 
 
 def is_off(scaler: LossScaler, hooks: tuple[Hook, ...]) -> bool:
@@ -61,32 +60,27 @@ def _records_only(hook: Hook) -> bool:
 def off_step(
     inner: Any,
     grads: Any,
-    state: WrapperState,
+    state: LossScalingState,
     params: Any,
     extra_args: dict[str, Any],
     fused: bool,
     loss: Any = None,
-) -> tuple[Any, WrapperState]:
-    """The inner optimizer's step, as `jls.LossScaling._step` returns it.
+) -> tuple[Any, LossScalingState]:
+    """The inner optimizer's step, as `jls._core.step` returns it.
 
-    ``loss``: the loss given as ``loss=`` (taken out of ``extra_args``), or
-    ``None``; only recorded.
+    ``params``: the trained floating parameters (split by the caller, who
+    merges the rest back). ``loss``: the loss given as ``loss=`` (taken out
+    of ``extra_args``), or ``None``; only recorded.
     """
-    rest = frozen = None
-    if fused:
-        params, rest = split_inexact(params)
-        params, frozen = split_frozen(params, grads)
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
-    out = updates
-    if fused:
-        out = merge(merge(optax.apply_updates(params, updates), frozen), rest)
+    out = optax.apply_updates(params, updates) if fused else updates
     loss_scale = state.loss_scale._replace(scale=jnp.ones_like(state.loss_scale.scale))
     hooks = dict(state.hooks)
     if NonfiniteLoss.name in hooks:
         hooks[NonfiniteLoss.name] = NonfiniteLoss.recorded(
             hooks["nonfinite_loss"], loss
         )
-    return out, WrapperState(loss_scale, inner_state, hooks)
+    return out, LossScalingState(loss_scale, inner_state, hooks)
 
 
 def warn_float16(grads: Any, *, off: bool) -> None:

@@ -9,7 +9,7 @@ and bool arrays, Python numbers, functions and any other leaf pass through
 as the same object, so an equinox ``Module`` (an immutable pytree) is cast
 as it is.
 
-`Policy.wrap` casts per op (`jls.autocast`): matmuls in the compute dtype,
+`Policy.wrap` casts per op (`jls.precision.autocast`): matmuls in the compute dtype,
 softmax, ``exp``/``log``, sums and the loss in float32, the results in the
 output dtype. `Policy.cast_arguments` is the older, jmp-style wrapper that
 casts the arguments only, so every op inside runs in the compute dtype, the
@@ -22,7 +22,7 @@ Dropout RNG counts and other variables while the caller's Module kept stale
 ones, with a loss that looks normal. `Policy.wrap` takes one (it runs the
 function on the Module's state and writes the new state back); nnx layers
 also compute in float16 through their own ``dtype=jnp.float16,
-param_dtype=jnp.float32``. `jls.precision_report` shows which dtype each
+param_dtype=jnp.float32``. `jls.precision.precision_report` shows which dtype each
 matmul really runs in.
 """
 
@@ -75,14 +75,15 @@ def _refuse_nnx_modules(tree: Any) -> None:
     modules = [x for x in found if is_nnx_module(x)]
     if modules:
         raise TypeError(
-            f"a jls.Policy cannot cast a flax nnx Module ({type(modules[0]).__name__}):"
+            "a jls.precision.Policy cannot cast a flax nnx Module "
+            f"({type(modules[0]).__name__}):"
             " it would run a cast copy, and the forward pass's state updates "
             "(BatchNorm statistics, Dropout RNG counts, your own Variables) would "
             "land on the copy, not on your model. Use policy.wrap(fn) (it runs fn "
             "on the Module's state and writes the new state back), or give the "
             "layers their compute dtype: nnx.Linear(..., dtype=jnp.float16, "
             "param_dtype=jnp.float32); check the result with "
-            "jls.precision_report(fn, model, x)"
+            "jls.precision.precision_report(fn, model, x)"
         )
 
 
@@ -113,7 +114,8 @@ class Policy:
 
     Example:
       >>> import jax.numpy as jnp, jls
-      >>> policy = jls.get_policy("params=float32,compute=float16,output=float32")
+      >>> spec = "params=float32,compute=float16,output=float32"
+      >>> policy = jls.precision.get_policy(spec)
       >>> print(policy)
       p=full,c=f16,o=full
       >>> tree = {"w": jnp.ones(2), "step": jnp.int32(3), "act": jnp.tanh}
@@ -152,7 +154,7 @@ class Policy:
 
         Inside, matmuls and convolutions compute in ``compute_dtype``; softmax,
         ``exp``/``log``, sums, means and norms (so the loss) in float32;
-        everything else in the dtype its operands bring (`jls.autocast`).
+        everything else in the dtype its operands bring (`jls.precision.autocast`).
         The arguments are not cast: the parameters stay in ``param_dtype``,
         so their gradients do too. Wrap the loss (the README's pattern): it
         then comes back float32-accurate with float16 matmuls. For jmp's
@@ -160,10 +162,10 @@ class Policy:
 
         Example:
           >>> import jax, jax.numpy as jnp, jls
-          >>> policy = jls.get_policy("p=f32,c=f16,o=f32")
+          >>> policy = jls.precision.get_policy("p=f32,c=f16,o=f32")
           >>> loss = policy.wrap(lambda w, x: jax.nn.logsumexp(x @ w))
           >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
-          >>> report = jls.precision_report(loss, w, x)
+          >>> report = jls.precision.precision_report(loss, w, x)
           >>> report.counts, report.numerics["log"], loss(w, x).dtype.name
           ({'float16': 1}, {'float32': 1}, 'float32')
         """
@@ -185,7 +187,7 @@ class Policy:
 
         Example:
           >>> import jax.numpy as jnp, jls
-          >>> policy = jls.get_policy("c=f16,o=f32")
+          >>> policy = jls.precision.get_policy("c=f16,o=f32")
           >>> f = policy.cast_arguments(lambda w, x: (w * x).dtype.name)
           >>> f(jnp.ones(2), jnp.ones(2))
           'float16'
@@ -223,7 +225,7 @@ def get_policy(policy: str) -> Policy:
 
     Example:
       >>> import jls
-      >>> policy = jls.get_policy("c=bf16")
+      >>> policy = jls.precision.get_policy("c=bf16")
       >>> policy.param_dtype.name, policy.compute_dtype.name, policy.output_dtype.name
       ('float32', 'bfloat16', 'bfloat16')
     """

@@ -12,7 +12,7 @@ jax has: ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``,
 the fused and scaled ones; `jls._primitives.MATMULS`) by the dtype they
 compute in, with the source line of each. Beside them it counts the ops
 that need range or precision (softmax, ``exp``, ``log``, sums: the list
-`jls.autocast` keeps in float32) by dtype, so a report shows the float32
+`jls.precision.autocast` keeps in float32) by dtype, so a report shows the float32
 ones next to the float16 matmuls, and it lists the collectives
 (``psum``, ``all_gather``, ...) with the dtype each sends. Arguments may be
 whole models: an equinox or flax ``nnx`` Module (its arrays are traced,
@@ -71,7 +71,7 @@ class PrecisionReport:
         their lines: information, not errors.
       numerics: op -> dtype name -> count, for the ops that need range or
         precision (``softmax``, ``exp``, ``log``, ``reduce_sum``,
-        ``square``...: the ones `jls.autocast` computes in float32), in every
+        ``square``...: the ones `jls.precision.autocast` computes in float32), in every
         dtype: where the loss and its softmax really ran.
       collectives: every ``psum``, ``all_gather``, ``psum_scatter``
         (``reduce_scatter``), ``all_to_all``, ``ppermute``... of the program
@@ -289,7 +289,7 @@ def precision_report(
     ``ragged_dot_general``...) by the dtype they compute in; beside them the
     ops that need range or precision (softmax, ``exp``, ``log``, sums) by
     dtype, and the collectives with the dtype each sends. Pass the model as
-    an argument: under argument casting (`jls.Policy.cast_arguments`) a model
+    an argument: under argument casting (`jls.precision.Policy.cast_arguments`) a model
     closed over is traced as constants, and so is reported in whatever dtype
     it holds.
 
@@ -307,17 +307,18 @@ def precision_report(
 
     Example:
       >>> import jax, jax.numpy as jnp, jls
-      >>> policy = jls.get_policy("params=float32,compute=float16,output=float32")
+      >>> spec = "params=float32,compute=float16,output=float32"
+      >>> policy = jls.precision.get_policy(spec)
       >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
       >>> loss = lambda w, x: jax.nn.logsumexp(x @ w)
-      >>> report = jls.precision_report(policy.wrap(loss), w, x)
+      >>> report = jls.precision.precision_report(policy.wrap(loss), w, x)
       >>> report.counts, report.numerics["exp"], report.numerics["reduce_sum"]
       ({'float16': 1}, {'float32': 1}, {'float32': 1})
-      >>> args_only = jls.precision_report(policy.cast_arguments(loss), w, x)
+      >>> args_only = jls.precision.precision_report(policy.cast_arguments(loss), w, x)
       >>> args_only.counts, args_only.numerics["exp"]  # the loss in float16 too
       ({'float16': 1}, {'float16': 1})
       >>> closed = policy.cast_arguments(lambda x: x @ w)  # w closed over
-      >>> jls.precision_report(closed, x).counts
+      >>> jls.precision.precision_report(closed, x).counts
       {'float32': 1}
     """
     jaxpr = _trace(fn, args, kwargs)

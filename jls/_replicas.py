@@ -30,14 +30,15 @@ A non-finite step is not counted (its gradients are dropped anyway).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jls._compat import tracked_in
 from jls._finite import inexact_leaves
-from jls._hooks import Hook, StepInfo
+from jls._hooks import Hook, HookContext, StepInfo
 from jls._tree import plain
 
 
@@ -48,6 +49,20 @@ def fingerprint(grads: Any) -> list[Any]:
         for x in inexact_leaves(grads)
         if x.size
     ]
+
+
+class ReplicaCheckState(NamedTuple):
+    """Whether the latest finite step's replicas differed, and how often."""
+
+    differ: jax.Array
+    mismatches: jax.Array
+
+    def metrics(self) -> dict[str, Any]:
+        """``replicas_differ`` and ``replica_mismatches``."""
+        return {
+            "replicas_differ": plain(self.differ),
+            "replica_mismatches": plain(self.mismatches),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +77,27 @@ class ReplicaCheck(Hook):
     axes: tuple[str, ...] = ()
     name = "replicas"
 
-    def init(self, params: Any) -> Any:
-        del params
-        return {"differ": jnp.asarray(np.bool_(False)), "steps": jnp.int32(0)}
+    def check(self, context: HookContext) -> None:
+        """Refuses a check without ``axis_name``, or over axes outside it."""
+        given = self.axes[0] if len(self.axes) == 1 else self.axes
+        if not context.axis_name:
+            raise ValueError(
+                "check_replicas compares the replicas of axis_name: give the "
+                "pmap/shard_map axis the batch is split over, e.g. "
+                "axis_name='batch' (under jit over sharded arrays the gradients "
+                "are global and there is nothing to compare)"
+            )
+        if not set(self.axes) <= set(context.axis_name):
+            raise ValueError(
+                f"check_replicas={given!r} must name axes of "
+                f"axis_name={context.axis_name}"
+            )
 
-    def update(self, state: Any, info: StepInfo, vetoed: Any) -> Any:
+    def init(self, params: Any) -> ReplicaCheckState:
+        del params
+        return ReplicaCheckState(jnp.asarray(np.bool_(False)), jnp.int32(0))
+
+    def update(self, state: Any, info: StepInfo, vetoed: Any) -> ReplicaCheckState:
         del vetoed
         axes = self.axes or tuple(info.axis_name)
         values = fingerprint(info.grads)
@@ -82,11 +113,4 @@ class ReplicaCheck(Hook):
         else:
             same = info.same_on_replicas(values, axes)
         differ = info.finite & ~same
-        return {"differ": differ, "steps": state["steps"] + differ.astype(jnp.int32)}
-
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        return {
-            "replicas_differ": plain(state["differ"]),
-            "replica_mismatches": plain(state["steps"]),
-        }
+        return ReplicaCheckState(differ, state.mismatches + differ.astype(jnp.int32))

@@ -22,14 +22,14 @@ its counts added over it; where jax records no varying axes (``pmap``,
 ``check_vma=False``) a leaf whose statistics differ across ``axis_name`` is
 taken as sharded (added), an equal one as replicated (kept).
 
-``jls.ScaleStats(every=n)`` measures one step in ``n`` (the first, then
+``jls.hooks.ScaleStats(every=n)`` measures one step in ``n`` (the first, then
 every ``n``-th call) inside a ``lax.cond``, and holds the last measurement
 in between: the statistics' second read of the gradients is paid on those
 steps only (under ``vmap`` with a batched state both branches run). It
 needs a donating step (``donated=True``): without donation the conditional
-holds the gradients in memory (``bench_scale_stats.py --steps 8`` on the
-27M LM: 134 MB of temporaries against 3 MB, 1.27x the step against 1.07x
-measuring every step), and `jls.loss_scaling` refuses it.
+holds the gradients in memory (``bench_scale_stats.py --steps 8``; the
+figures are in ``docs/performance.md``), and its `ScaleStats.check` refuses
+it.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from jax import lax
 
 from jls._compat import tracked_in, varying_axes
 from jls._finite import inexact_leaves, is_complex
-from jls._hooks import Hook, StepInfo
+from jls._hooks import Hook, HookContext, StepInfo
 from jls._scaling import compute_dtype
 from jls._shards import global_rows
 from jls._tree import plain
@@ -62,6 +62,13 @@ class ScaleStatsState(NamedTuple):
     underflow_fraction: jax.Array
     headroom_bits: jax.Array
     phase: jax.Array
+
+    def metrics(self) -> dict[str, Any]:
+        """``underflow_fraction`` and ``headroom_bits``."""
+        return {
+            "underflow_fraction": plain(self.underflow_fraction),
+            "headroom_bits": plain(self.headroom_bits),
+        }
 
 
 def _largest_part(x: jax.Array) -> jax.Array:
@@ -84,7 +91,7 @@ def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
 class ScaleStats(Hook):
     """Records ``underflow_fraction`` and ``headroom_bits`` (see the module).
 
-    Pass it as ``jls.loss_scaling(..., scale_stats=jls.ScaleStats(...))``;
+    Pass it as ``jls.loss_scaling(..., scale_stats=jls.hooks.ScaleStats(...))``;
     ``scale_stats=True`` is ``ScaleStats()``, a dtype ``ScaleStats(dtype)``.
 
     Attributes:
@@ -104,7 +111,7 @@ class ScaleStats(Hook):
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> stats = jls.ScaleStats(every=2)  # with donation only (see above)
+      >>> stats = jls.hooks.ScaleStats(every=2)  # with donation only (see above)
       >>> tx = jls.loss_scaling(
       ...     optax.sgd(0.1), jls.no_scale(), scale_stats=stats, donated=True
       ... )
@@ -142,6 +149,21 @@ class ScaleStats(Hook):
                 f"most 32 bits that holds zero, got {dtype.name}"
             )
         object.__setattr__(self, "dtype", dtype)
+
+    def check(self, context: HookContext) -> None:
+        """Refuses sampling (``every > 1``) in a step that does not donate.
+
+        Without donation the conditional that samples holds the gradients
+        in memory (``docs/performance.md`` has the measurement).
+        """
+        if self.every > 1 and not context.donated:
+            raise ValueError(
+                f"scale_stats=jls.hooks.ScaleStats(every={self.every}) measures "
+                "inside a lax.cond, which pays only when the step donates "
+                "(donated=True, with jax.jit(..., donate_argnums=...)): without "
+                "donation the conditional holds the gradients in memory. Use "
+                "scale_stats=True (every step), or donate."
+            )
 
     def init(self, params: Any) -> ScaleStatsState:
         del params
@@ -185,12 +207,3 @@ class ScaleStats(Hook):
         fraction = jnp.where(size > 0, count / jnp.maximum(size, 1), 0)
         bits = jnp.where(info.finite, bits, -jnp.inf)
         return fraction.astype(jnp.float32), bits.astype(jnp.float32)
-
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        """``underflow_fraction`` and ``headroom_bits``."""
-        state = plain(state)
-        return {
-            "underflow_fraction": state.underflow_fraction,
-            "headroom_bits": state.headroom_bits,
-        }

@@ -10,7 +10,6 @@ step: the step treats it as non-finite (see `jls.LossScaler.in_range`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -138,26 +137,3 @@ def _replaced(opt_state: Any, new: LossScaleState) -> Any:
     if isinstance(opt_state, LossScaleState):
         return new
     return replace_loss_scale_state(opt_state, new)
-
-
-def deprecated_replace_loss_scale_state(opt_state: Any, new: LossScaleState) -> Any:
-    """Deprecated: use ``jls.set_loss_scale(opt_state, new)``.
-
-    Example:
-      >>> import warnings, jax.numpy as jnp, optax, jls
-      >>> tx = jls.loss_scaling(optax.sgd(0.1))
-      >>> state = tx.init({"w": jnp.zeros(2)})
-      >>> with warnings.catch_warnings(record=True):
-      ...     state = jls.set_loss_scale(state, jls.static_scale(8.0).init())
-      >>> jls.metrics(state)["loss_scale"]
-      Array(8., dtype=float32)
-    """
-    warnings.warn(
-        "jls.replace_loss_scale_state is deprecated and will be removed in jls "
-        "0.4; use jls.set_loss_scale(opt_state, new_state)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if not isinstance(new, LossScaleState):
-        check_state(new, argname="new")
-    return set_loss_scale(opt_state, new)

@@ -67,9 +67,9 @@ class SpikeRule(Hook):
 
     Example:
       >>> import jls
-      >>> jls.SpikeRule(threshold=4.0, warmup=50).watch
+      >>> jls.hooks.SpikeRule(threshold=4.0, warmup=50).watch
       'norm'
-      >>> jls.SpikeRule(threshold=0)
+      >>> jls.hooks.SpikeRule(threshold=0)
       Traceback (most recent call last):
       ...
       ValueError: threshold must be > 0, got 0.0
@@ -174,12 +174,6 @@ class SpikeRule(Hook):
             loss=info.loss,
         )
 
-    @classmethod
-    def metrics(cls, state: Any) -> dict[str, Any]:
-        """``spike`` (the latest step was one) and ``total_spikes``."""
-        state = plain(state)
-        return {"spike": state.spike, "total_spikes": state.total_spikes}
-
 
 class SpikeState(NamedTuple):
     """The spike rule's statistics: array leaves of fixed dtype.
@@ -203,6 +197,10 @@ class SpikeState(NamedTuple):
     spike: jax.Array
     total_spikes: jax.Array
     consecutive_spikes: jax.Array
+
+    def metrics(self) -> dict[str, Any]:
+        """``spike`` (the latest step was one) and ``total_spikes``."""
+        return {"spike": plain(self.spike), "total_spikes": plain(self.total_spikes)}
 
 
 def init() -> SpikeState:

@@ -15,7 +15,8 @@ bandwidth floor. It keeps the magnitude check's promises:
   other steps; under ``vmap`` both branches run) sum the squares again,
   shrunk by ``2**-84``, which no finite float32 values can overflow. A
   single shrunk sum would flush the squares of small gradients to zero and
-  lose the norm; two sums in one pass cost 2.4x one on XLA:CPU.
+  lose the norm, and two sums in one pass cost more than twice one on
+  XLA:CPU.
 * Replicas and shards agree: a gradient sharded over ``shard_map`` axes has
   its sums added over them (`leaves_squares`).
 """

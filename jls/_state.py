@@ -7,8 +7,7 @@ never retraces a train step. Every field is an array leaf of fixed dtype,
 made from numpy scalars (importing jls starts no backend) as a buffer of its
 own (a state can always be donated).
 
-This module imports nothing of jls but validation: everything else builds
-on it.
+This module imports nothing of jls: everything else builds on it.
 """
 
 from __future__ import annotations

@@ -47,9 +47,11 @@ from jax import lax
 
 from jls._average import local, mean
 from jls._compat import pvary, varying_axes
+from jls._core import finish, prepare, validate
+from jls._decision import decide
 from jls._scaling import compute_dtype
 from jls._state import LossScaleState
-from jls._transformation import LossScaling
+from jls._transformation import LossScaling, config_of
 from jls._tree import merge, split_inexact
 from jls._validate import axis_names, flag, integer
 
@@ -173,14 +175,14 @@ def train_step(
             "train_step(loss_fn, tx): loss_fn is an optax transformation; the "
             "arguments are swapped"
         )
-    scaling = LossScaling._of(tx)
+    config = config_of(tx)
     has_aux = flag("has_aux", has_aux)
     max_retries = integer("max_retries", max_retries, 0)
     accumulation_steps = integer("accumulation_steps", accumulation_steps, 1)
     average_over = axis_names("average_over", average_over)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-    scaler = scaling.scaler
+    scaler = config.scaler
     k = accumulation_steps
 
     def split_out(out):
@@ -209,16 +211,13 @@ def train_step(
             )
         return loss, aux
 
-    def scaled_grads(params, scale, batch):
+    def scaled_grads(trainable, rest, scale, batch):
         def f(p, *b):
             loss, aux = split_out(loss_fn(p, *b))
             loss = jnp.asarray(loss)
             wide = compute_dtype(loss.dtype)
             return loss.astype(wide) * scale.astype(wide), (loss, aux)
 
-        # Differentiate the floating arrays only: a whole model (an equinox
-        # Module) also holds functions, numbers and integer arrays.
-        trainable, rest = split_inexact(params)
         trainable, summed = local(trainable, average_over)
 
         def grad(b):
@@ -263,11 +262,15 @@ def train_step(
         return mean(grads, loss, average_over, summed)
 
     def step(params, opt_state, *batch):
-        state = scaling._check_state(opt_state)
+        state = validate(config, opt_state, params)
+        # Split once: the floating arrays are differentiated and stepped; a
+        # whole model (an equinox Module) also holds functions, numbers and
+        # integer arrays.
+        trainable, rest = split_inexact(params)
 
         def attempt(loss_scale: LossScaleState):
-            grads, loss, aux = scaled_grads(params, loss_scale.scale, batch)
-            return grads, loss, aux, scaling._decide(grads, loss_scale)
+            grads, loss, aux = scaled_grads(trainable, rest, loss_scale.scale, batch)
+            return grads, loss, aux, decide(config, grads, loss_scale)
 
         loss_scale = state.loss_scale
         grads, loss, aux, decision = attempt(loss_scale)
@@ -296,16 +299,12 @@ def train_step(
             )
             loss_scale, grads, loss, aux, decision, retries = carry
         state = state._replace(loss_scale=loss_scale)
-        read = any(h.needs_loss or h.reads_loss for h in scaling.hooks)
-        params, new_state = scaling._step(
-            grads,
-            state,
-            params,
-            {"loss": loss} if read else {},
-            fused=True,
-            decision=decision,
-            retries=retries,
+        extra = {"loss": loss} if config.reads_loss else {}
+        prepared = prepare(config, grads, state, extra)
+        new, new_state = finish(
+            config, grads, prepared, trainable, decision, fused=True, retries=retries
         )
+        params = merge(new, rest)
         out = StepOutput(
             loss=loss,
             aux=aux,

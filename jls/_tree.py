@@ -71,7 +71,7 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
       opt_state: an optimizer state, or a `LossScaleState` itself.
       batched: accept a state stacked by ``vmap`` or ``pmap`` (fields of one
         common shape), as the host readers (`jls.metrics`,
-        `jls.raise_if_diverged`) do; by default every field is a scalar.
+        `jls.hooks.raise_if_diverged`) do; by default every field is a scalar.
 
     Returns:
       The `LossScaleState`.

@@ -35,9 +35,9 @@ from flax.training import train_state
 from jax import lax
 
 from jls._cond import select
+from jls._core import step
 from jls._loss_scaling import apply_gradients, metrics
-from jls._off import is_off
-from jls._transformation import LossScaling
+from jls._transformation import config_of
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
@@ -70,7 +70,7 @@ class TrainState(train_state.TrainState):
           TypeError: if ``tx`` is not (a wrapper around ``loss_scaling`` is
             refused here, not at the first step, naming the order that works).
         """
-        LossScaling._of(tx)
+        config_of(tx)
         return super().create(tx=tx, **kwargs)
 
     def apply_gradients(
@@ -78,10 +78,10 @@ class TrainState(train_state.TrainState):
     ) -> TrainState:
         """One fused, loss-scaled step (``grads`` are the scaled gradients).
 
-        ``loss`` (the unscaled loss) goes to a ``jls.SpikeRule`` that watches
+        ``loss`` (the unscaled loss) goes to a ``jls.hooks.SpikeRule`` that watches
         it; the other keyword arguments replace fields, as flax's do.
         """
-        scaling = LossScaling._of(self.tx)
+        config = config_of(self.tx)
         fp8 = OVERWRITE_WITH_GRADIENT in grads
         params = self.params["params"] if fp8 else self.params
         trainable = grads["params"] if fp8 else grads
@@ -90,7 +90,8 @@ class TrainState(train_state.TrainState):
         # gradients are unscaled, stepped and measured (fp8 scales and amax
         # values do not scale with the loss).
         extra = {} if loss is None else {"loss": loss}
-        new_params, opt_state = scaling._step(
+        new_params, opt_state = step(
+            config,
             trainable,
             self.opt_state,
             params,
@@ -98,7 +99,7 @@ class TrainState(train_state.TrainState):
             fused=True,
             also_finite=grads[OVERWRITE_WITH_GRADIENT] if fp8 else None,
         )
-        off = is_off(scaling.scaler, scaling.hooks)  # the plain optimizer
+        off = config.off  # the plain optimizer
         applied = jnp.asarray(True) if off else ~metrics(opt_state)["skipped"]
         # Every other field the step writes (BatchNorm's batch_stats, the fp8
         # values) is kept as it was on a skipped step: a forward pass that
@@ -108,7 +109,7 @@ class TrainState(train_state.TrainState):
         if fp8:
             new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
             old[OVERWRITE_WITH_GRADIENT] = self.params[OVERWRITE_WITH_GRADIENT]
-        kept = new if off else _unless_skipped(applied, new, old, scaling.donated)
+        kept = new if off else _unless_skipped(applied, new, old, config.donated)
         if fp8:
             new_params = {
                 "params": new_params,
@@ -172,7 +173,7 @@ class Optimizer(nnx.Optimizer):
     def __init__(
         self, model: Any, tx: Any, *, wrt: Any, keep: Any = nnx.BatchStat, **kwargs: Any
     ) -> None:
-        LossScaling._of(tx)  # refused here, not at the first update
+        config_of(tx)  # refused here, not at the first update
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.keep = keep
         # The kept variables as they were after the latest step: a skipped
@@ -206,12 +207,12 @@ class Optimizer(nnx.Optimizer):
         )
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(opt_state, **graph))
-        scaling = LossScaling._of(self.tx)
-        off = is_off(scaling.scaler, scaling.hooks)  # the plain optimizer
+        config = config_of(self.tx)
+        off = config.off  # the plain optimizer
         applied = jnp.asarray(True) if off else ~metrics(opt_state)["skipped"]
         if self.keep is not None and not off:
             now = _pure(nnx.state(model, self.keep, **graph))
-            kept = _unless_skipped(applied, now, _pure(self.kept), scaling.donated)
+            kept = _unless_skipped(applied, now, _pure(self.kept), config.donated)
             nnx.update(model, kept)
             nnx.update(self.kept, to_opt_state(kept))
         self.step[...] += applied.astype(self.step[...].dtype)

@@ -51,9 +51,8 @@ from jax import lax
 from reference import RefScaler
 
 import jls
-from jls import presets
+from jls import LossScalingState, presets
 from jls._dynamic import DynamicScale
-from jls._hooks import WrapperState
 from jls._measured import MeasuredScale
 
 PATHS = ("update", "apply_gradients")
@@ -697,7 +696,7 @@ def simulate(
     tx, run = _make_chunk(scaler, inner, tuple(paths), chunk, leaves, compiler_options)
     params = init_params(seed, leaves)
     mixed = zlib.crc32(f"{config}:{seed}".encode())
-    state = cast(WrapperState, tx.init(params))
+    state = cast(LossScalingState, tx.init(params))
     runs = {path: (params, state) for path in paths}
     restore = (params, state.inner_state)
     carry = (jnp.uint32(mixed), jnp.uint32(0), jnp.int32(_FIRST_REGIME), runs, restore)

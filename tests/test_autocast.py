@@ -1,4 +1,4 @@
-"""`jls.autocast`: what it returns, one trace per step, bad input refused."""
+"""`jls.precision.autocast`: what it returns, one trace per step, bad input refused."""
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 # pyright: reportCallIssue=false, reportIndexIssue=false
@@ -29,9 +29,9 @@ def loss(params, x, y):
 
 
 def test_matmuls_are_float16_forward_and_backward_and_the_loss_float32():
-    cast = jls.autocast(loss)
-    jls.precision_report(cast, PARAMS, X, Y).check(F16)
-    report = jls.precision_report(jax.grad(cast), PARAMS, X, Y)
+    cast = jls.precision.autocast(loss)
+    jls.precision.precision_report(cast, PARAMS, X, Y).check(F16)
+    report = jls.precision.precision_report(jax.grad(cast), PARAMS, X, Y)
     report.check(F16)
     assert sum(report.counts.values()) == 2 + 3  # dx of the first needs none
     assert all(set(by) == {"float32"} for by in report.numerics.values())
@@ -51,7 +51,7 @@ def test_a_step_traces_once_and_the_function_once_per_trace():
         calls.append(1)
         return loss(params, x, y)
 
-    cast = jls.autocast(counted)
+    cast = jls.precision.autocast(counted)
     tx = optax.adam(1e-2)
 
     @jax.jit
@@ -79,14 +79,14 @@ def test_the_result_has_the_structure_and_dtypes_fn_returns():
             "n": 2,
         }
 
-    out = jls.autocast(fn)(PARAMS, X, "label")
+    out = jls.precision.autocast(fn)(PARAMS, X, "label")
     assert out["h"].dtype == F32 and out["half"].dtype == F16
     assert out["count"].dtype == jnp.int32 and int(out["count"]) == 3
     assert out["tag"] == "label" and out["act"] is jnp.tanh and out["n"] == 2
 
 
 def test_eager_jit_and_vmap_agree():
-    cast = jls.autocast(lambda w, x: jnp.tanh(x @ w).sum())
+    cast = jls.precision.autocast(lambda w, x: jnp.tanh(x @ w).sum())
     w = PARAMS["w1"]
     eager, jitted = cast(w, X), jax.jit(cast)(w, X)
     chex.assert_trees_all_equal(eager, jitted)
@@ -95,27 +95,27 @@ def test_eager_jit_and_vmap_agree():
 
 
 def test_numpy_arrays_and_python_numbers_are_arguments():
-    cast = jls.autocast(lambda w, x, scale: (x @ w).sum() * scale)
+    cast = jls.precision.autocast(lambda w, x, scale: (x @ w).sum() * scale)
     got = cast(np.asarray(PARAMS["w1"]), np.asarray(X), 0.5)
     np.testing.assert_allclose(got, (X @ PARAMS["w1"]).sum() * 0.5, rtol=1e-2)
 
 
 def test_a_float32_compute_dtype_changes_nothing():
-    cast = jls.autocast(loss, jnp.float32)
+    cast = jls.precision.autocast(loss, jnp.float32)
     chex.assert_trees_all_close(cast(PARAMS, X, Y), loss(PARAMS, X, Y), rtol=1e-6)
-    assert jls.precision_report(cast, PARAMS, X, Y).counts == {"float32": 2}
+    assert jls.precision.precision_report(cast, PARAMS, X, Y).counts == {"float32": 2}
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, None, "f16x"])
 def test_a_non_floating_dtype_is_refused_by_name(dtype):
     with pytest.raises(TypeError, match="dtype must be a floating dtype, got"):
-        jls.autocast(loss, dtype)
+        jls.precision.autocast(loss, dtype)
 
 
 def test_a_non_callable_is_refused_by_name():
     with pytest.raises(TypeError, match="fn must be callable, got 3"):
-        jls.autocast(3)  # type: ignore[arg-type]
+        jls.precision.autocast(3)  # type: ignore[arg-type]
 
 
 def test_the_wrapped_function_keeps_its_name():
-    assert jls.autocast(loss).__name__ == "loss"
+    assert jls.precision.autocast(loss).__name__ == "loss"

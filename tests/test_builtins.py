@@ -11,10 +11,11 @@ import pytest
 import jls
 from jls._divergence import Divergence
 from jls._nonfinite_loss import NonfiniteLoss
+from jls._transformation import config_of
 
 
 def test_the_keywords_are_hooks_in_order():
-    rule = jls.SpikeRule()
+    rule = jls.hooks.SpikeRule()
     scaling = jls.LossScaling(
         optax.sgd(0.1),
         diagnostics=True,
@@ -48,7 +49,9 @@ def test_the_keywords_are_hooks_in_order():
 def test_hook_names_are_distinct():
     with pytest.raises(ValueError, match="distinct names"):
         jls.LossScaling(
-            optax.sgd(0.1), skip_spikes=jls.SpikeRule(), hooks=[jls.SpikeRule()]
+            optax.sgd(0.1),
+            skip_spikes=jls.hooks.SpikeRule(),
+            hooks=[jls.hooks.SpikeRule()],
         )
 
 
@@ -58,7 +61,7 @@ def test_hook_names_are_distinct():
         ({"diagnostics": "yes"}, TypeError, "diagnostics must be a bool"),
         ({"gradient_norm": 1}, TypeError, "gradient_norm must be a bool"),
         ({"max_consecutive_skips": 0}, ValueError, "max_consecutive_skips must be"),
-        ({"skip_spikes": 6.0}, TypeError, "skip_spikes must be a jls.SpikeRule"),
+        ({"skip_spikes": 6.0}, TypeError, "skip_spikes must be a jls.hooks.SpikeRule"),
     ],
 )
 def test_the_keywords_are_checked_by_name(kwargs, error, match):
@@ -70,7 +73,7 @@ NAN_STEP = {"w": jnp.array([1.0, jnp.nan]), "b": jnp.array([jnp.inf])}
 EVERY_HOOK = {
     "diagnostics": True,
     "gradient_norm": True,
-    "skip_spikes": jls.SpikeRule(),
+    "skip_spikes": jls.hooks.SpikeRule(),
     "scale_stats": True,
     "check_replicas": True,
 }
@@ -88,7 +91,7 @@ def test_no_nan_reaches_any_built_in_hooks_state(scaler, loss):
     params = {"w": jnp.ones(2), "b": jnp.ones(1)}
     tx = jls.loss_scaling(optax.sgd(0.1), scaler, axis_name="i", **EVERY_HOOK)
     states = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(params))
-    names = {h.name for h in jls.LossScaling._of(tx).hooks}
+    names = {h.name for h in config_of(tx).hooks}
     assert names == {
         "nonfinite_loss",
         "diagnostics",

@@ -43,12 +43,12 @@ W, X = jnp.ones((4, 4)), jnp.ones((2, 4))
 
 
 def test_a_matmul_computes_in_the_compute_dtype_and_returns_it():
-    fn = jls.autocast(lambda w, x: x @ w)
+    fn = jls.precision.autocast(lambda w, x: x @ w)
     assert _named(fn, W, X, name="dot_general") == [
         (("float16", "float16"), ("float16",))
     ]
     assert fn(W, X).dtype == F32  # the result in the dtype fn returns it in
-    bf16 = jls.autocast(lambda w, x: x @ w, jnp.bfloat16)
+    bf16 = jls.precision.autocast(lambda w, x: x @ w, jnp.bfloat16)
     assert _named(bf16, W, X, name="dot_general")[0][0] == ("bfloat16", "bfloat16")
 
 
@@ -57,14 +57,14 @@ def test_a_preferred_element_type_that_asked_for_more_is_kept():
         a = jax.lax.dot(x.astype(F16), w.astype(F16), preferred_element_type=F32)
         return a, x @ w
 
-    first, second = _named(jls.autocast(fn), W, X, name="dot_general")
+    first, second = _named(jls.precision.autocast(fn), W, X, name="dot_general")
     assert first == (("float16", "float16"), ("float32",))  # accumulate in float32
     assert second == (("float16", "float16"), ("float16",))  # it only restated f32
 
 
 def test_an_integer_matmul_is_left_alone():
     a = jnp.ones((2, 3), jnp.int8)
-    fn = jls.autocast(
+    fn = jls.precision.autocast(
         lambda a: jax.lax.dot(a, a.T, preferred_element_type=jnp.int32).sum()
     )
     assert _named(fn, a, name="dot_general") == [(("int8", "int8"), ("int32",))]
@@ -84,14 +84,14 @@ def test_an_integer_matmul_is_left_alone():
     ],
 )
 def test_range_sensitive_ops_compute_in_float32(op, prim):
-    fn = jls.autocast(lambda w, x: op(x @ w))
+    fn = jls.precision.autocast(lambda w, x: op(x @ w))
     (ins, outs) = _named(fn, W, X, name=prim)[0]
     assert set(ins) == {"float32"} and outs == ("float32",)
 
 
 def test_x_times_x_is_a_square():
-    fn = jls.autocast(lambda w, x: (x @ w) * (x @ w) + 0.0)
-    h = jls.autocast(lambda w, x: (lambda h: h * h)(x @ w))
+    fn = jls.precision.autocast(lambda w, x: (x @ w) * (x @ w) + 0.0)
+    h = jls.precision.autocast(lambda w, x: (lambda h: h * h)(x @ w))
     assert _named(h, W, X, name="mul") == [(("float32", "float32"), ("float32",))]
     # Two different float16 values multiply in float16.
     assert _named(fn, W, X, name="mul")[0][0] == ("float16", "float16")
@@ -104,11 +104,11 @@ def test_other_ops_follow_their_operands_and_promote_as_traced():
         biased = jnp.tanh(h) + b[None]  # float16 + float32 bias: float32
         return scaled, biased
 
-    ops = _ops(jls.autocast(fn), W, jnp.zeros(4), X)
+    ops = _ops(jls.precision.autocast(fn), W, jnp.zeros(4), X)
     assert ("mul", ("float16", "float16"), ("float16",)) in ops
     assert ("tanh", ("float16",), ("float16",)) in ops
     assert ("add", ("float32", "float32"), ("float32",)) in ops
-    scaled, biased = jls.autocast(fn)(W, jnp.zeros(4), X)
+    scaled, biased = jls.precision.autocast(fn)(W, jnp.zeros(4), X)
     assert scaled.dtype == biased.dtype == F32  # returned as fn returns them
 
 
@@ -118,7 +118,7 @@ def test_a_float32_chain_stays_float32_until_the_next_matmul():
         h = jnp.tanh(h - 1.0)
         return h @ w
 
-    ops = _ops(jls.autocast(fn), W, X)
+    ops = _ops(jls.precision.autocast(fn), W, X)
     assert ("tanh", ("float32",), ("float32",)) in ops
     assert [i for n, i, _ in ops if n == "dot_general"] == [("float16", "float16")] * 2
 
@@ -142,13 +142,17 @@ def test_nested_programs_run_by_the_same_rules():
             lambda c: c[1] < 2, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (x, 0)
         )[0]
 
-    report = jls.precision_report(jls.autocast(fn), W, X)
+    report = jls.precision.precision_report(jls.precision.autocast(fn), W, X)
     assert report.counts == {"float16": 4}
-    assert jls.precision_report(jls.autocast(loop), W, X).counts == {"float16": 1}
-    grads = jls.precision_report(jax.grad(jls.autocast(fn)), W, X)
+    assert jls.precision.precision_report(
+        jls.precision.autocast(loop), W, X
+    ).counts == {"float16": 1}
+    grads = jls.precision.precision_report(jax.grad(jls.precision.autocast(fn)), W, X)
     assert set(grads.counts) == {"float16"} and sum(grads.counts.values()) > 4
-    np.testing.assert_allclose(jls.autocast(fn)(W, X), fn(W, X), rtol=1e-2)
-    np.testing.assert_allclose(jls.autocast(loop)(W, X), loop(W, X), rtol=1e-2)
+    np.testing.assert_allclose(jls.precision.autocast(fn)(W, X), fn(W, X), rtol=1e-2)
+    np.testing.assert_allclose(
+        jls.precision.autocast(loop)(W, X), loop(W, X), rtol=1e-2
+    )
 
 
 def test_a_loop_carry_keeps_its_traced_dtype():
@@ -158,7 +162,7 @@ def test_a_loop_carry_keeps_its_traced_dtype():
 
         return jax.lax.scan(step, x, None, length=2)[0]
 
-    carry = [o for n, _, o in _ops(jls.autocast(fn), W, X) if n == "scan"]
+    carry = [o for n, _, o in _ops(jls.precision.autocast(fn), W, X) if n == "scan"]
     assert carry == [("float32",)]
 
 
@@ -170,7 +174,7 @@ def test_a_checkpoint_keeps_its_policy():
 
     (eqn,) = [
         e
-        for e in jax.make_jaxpr(jls.autocast(fn))(W, X).jaxpr.eqns
+        for e in jax.make_jaxpr(jls.precision.autocast(fn))(W, X).jaxpr.eqns
         if e.primitive.name in ("remat2", "checkpoint")
     ]
     assert eqn.params["policy"] is policy
@@ -187,11 +191,11 @@ def test_custom_derivatives_are_the_ones_written():
         # relu's own rule: gradient 0 at 0 (jnp.maximum's would be 0.5).
         return jax.nn.relu(x @ w - 4.0).sum() + marked(x @ w).sum()
 
-    grads = jax.grad(jls.autocast(fn))(W, X)
+    grads = jax.grad(jls.precision.autocast(fn))(W, X)
     chex.assert_trees_all_close(grads, jax.grad(fn)(W, X))
     # The custom functions ran as traced: float32, on operands cast back.
     assert ("custom_jvp_call", ("float32",), ("float32",)) in _ops(
-        jls.autocast(fn), W, X
+        jls.precision.autocast(fn), W, X
     )
 
 
@@ -199,14 +203,14 @@ def test_an_op_that_refuses_the_new_dtype_runs_as_traced():
     def fn(w, x):
         return jax.lax.bitcast_convert_type(x @ w, jnp.int32)
 
-    chex.assert_trees_all_equal(jls.autocast(fn)(W, X), fn(W, X))
+    chex.assert_trees_all_equal(jls.precision.autocast(fn)(W, X), fn(W, X))
 
 
 def test_closed_over_arrays_and_outer_tracers():
     @jax.jit
     def outer(w, x):
-        return jax.grad(lambda w: jls.autocast(lambda x: (x @ w).sum())(x))(w)
+        return jax.grad(lambda w: jls.precision.autocast(lambda x: (x @ w).sum())(x))(w)
 
     chex.assert_trees_all_close(outer(W, X), jax.grad(lambda w: (X @ w).sum())(W))
-    report = jls.precision_report(outer, W, X)
+    report = jls.precision.precision_report(outer, W, X)
     assert set(report.counts) == {"float16"}

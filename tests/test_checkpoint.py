@@ -127,7 +127,7 @@ def test_a_jls_0_1_checkpoint_resumes(tmp_path):
 
 
 def test_a_jls_0_2_checkpoint_with_spike_statistics_resumes(tmp_path):
-    rule = jls.SpikeRule(warmup=3)
+    rule = jls.hooks.SpikeRule(warmup=3)
     tx = jls.loss_scaling(optax.sgd(0.1), skip_spikes=rule, gradient_norm=True)
     scale = jls.LossScaleState(*_old_scale(), jnp.float32(4.0))
     spikes = V2SpikeState(
@@ -197,7 +197,7 @@ def test_a_jls_0_3_checkpoint_resumes_bitwise():
         jls.dynamic_scale(2.0**8, growth_interval=2),
         diagnostics=True,
         gradient_norm=True,
-        skip_spikes=jls.SpikeRule(warmup=2),
+        skip_spikes=jls.hooks.SpikeRule(warmup=2),
         scale_stats=True,
     )
     tree = jls.upgrade_state(raw, {"params": params, "opt_state": tx.init(params)})
@@ -221,6 +221,8 @@ def test_a_jls_0_3_checkpoint_resumes_bitwise():
     assert bool(m["diverged"]) == bool(want["['opt_state'].hooks['divergence']"])
     hooks = "['opt_state'].hooks"
     assert int(m["total_spikes"]) == int(want[f"{hooks}['spikes'].total_spikes"])
+
+
 def test_an_off_switch_checkpoint_without_the_nonfinite_loss_record_resumes():
     # Before jls 0.4 a scaler that applies non-finite steps (the off switch)
     # had no nonfinite_loss hook state; it now records one (the metrics keep

@@ -1,4 +1,4 @@
-"""Clipping spikes (`jls.SpikeRule(action="clip")`), against a reference.
+"""Clipping spikes (`jls.hooks.SpikeRule(action="clip")`), against a reference.
 
 A clipped spike is applied with its unscaled gradients multiplied by
 ``limit / norm`` (``limit = mean + threshold * std`` of the statistics
@@ -44,7 +44,7 @@ class RefClip:
         return spike, factor, limit
 
 
-RULE = jls.SpikeRule(threshold=3.0, warmup=5, window=20, action="clip")
+RULE = jls.hooks.SpikeRule(threshold=3.0, warmup=5, window=20, action="clip")
 
 
 def _grads(rng, factor):
@@ -140,7 +140,7 @@ def test_without_spikes_clipping_changes_no_bit(fused, init_scale):
     ]
     params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), seq[0])
     adam = optax.adam(1e-2)
-    skip = jls.SpikeRule(threshold=3.0, warmup=5, window=20, action="skip")
+    skip = jls.hooks.SpikeRule(threshold=3.0, warmup=5, window=20, action="skip")
     want = _run(
         jls.loss_scaling(adam, scaler, skip_spikes=skip), seq, params, fused=fused
     )
@@ -160,7 +160,7 @@ def test_a_spike_float32_cannot_clip_is_skipped(scale, clipped):
     # limit / norm / scale below the smallest normal float32 would flush the
     # unscaled gradients to zero: such a spike is skipped (and counted),
     # never applied as a zero step. At 2**100 the factor 1e-3 is carried.
-    rule = jls.SpikeRule(threshold=1.0, warmup=2, window=4, action="clip")
+    rule = jls.hooks.SpikeRule(threshold=1.0, warmup=2, window=4, action="clip")
     tx = jls.loss_scaling(optax.sgd(1.0), jls.static_scale(scale), skip_spikes=rule)
     params = {"w": jnp.zeros(4, jnp.float32)}
     state = tx.init(params)
@@ -183,7 +183,7 @@ def test_finite_gradients_whose_norm_overflows_are_a_spike(action):
     # Every gradient is finite (the check applies the step) but the norm is
     # past the float32 maximum: a spike, skipped either way (float32 cannot
     # clip it), never applied as it is.
-    rule = jls.SpikeRule(threshold=3.0, warmup=3, window=10, action=action)
+    rule = jls.hooks.SpikeRule(threshold=3.0, warmup=3, window=10, action=action)
     tx = jls.loss_scaling(optax.sgd(2.0), jls.no_scale(), skip_spikes=rule)
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
@@ -196,7 +196,7 @@ def test_finite_gradients_whose_norm_overflows_are_a_spike(action):
 
 
 def test_a_negative_mean_norm_from_a_checkpoint_restarts_the_statistics():
-    rule = jls.SpikeRule(threshold=3.0, warmup=2, window=10, action="clip")
+    rule = jls.hooks.SpikeRule(threshold=3.0, warmup=2, window=10, action="clip")
     tx = jls.loss_scaling(optax.sgd(1.0), jls.no_scale(), skip_spikes=rule)
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
@@ -263,11 +263,11 @@ def test_clipping_reads_the_gradients_no_second_time():
     params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros(64)}
     grads = jax.tree.map(jnp.ones_like, params)
     adam = optax.adam(1e-3)
-    skip = jls.loss_scaling(adam, skip_spikes=jls.SpikeRule(action="skip"))
-    clip = jls.loss_scaling(adam, skip_spikes=jls.SpikeRule(action="clip"))
+    skip = jls.loss_scaling(adam, skip_spikes=jls.hooks.SpikeRule(action="skip"))
+    clip = jls.loss_scaling(adam, skip_spikes=jls.hooks.SpikeRule(action="clip"))
     chained = jls.loss_scaling(
         optax.chain(optax.clip_by_global_norm(1.0), adam),
-        skip_spikes=jls.SpikeRule(action="skip"),
+        skip_spikes=jls.hooks.SpikeRule(action="skip"),
     )
     n_skip, n_clip = _reductions(skip, params, grads), _reductions(clip, params, grads)
     assert n_clip == n_skip
@@ -278,7 +278,7 @@ def test_replicas_apply_the_same_factor():
     # Four replicas with different (unaveraged) gradients: the statistics
     # and the factor are agreed, so each update is its gradient times the
     # same factor.
-    rule = jls.SpikeRule(threshold=2.0, warmup=3, window=10, action="clip")
+    rule = jls.hooks.SpikeRule(threshold=2.0, warmup=3, window=10, action="clip")
     tx = jls.loss_scaling(
         optax.sgd(1.0), jls.no_scale(), axis_name="r", skip_spikes=rule
     )
@@ -310,10 +310,10 @@ def test_replicas_apply_the_same_factor():
 )
 def test_action_is_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        jls.SpikeRule(**kwargs)
+        jls.hooks.SpikeRule(**kwargs)
 
 
-class _Factor(jls.Hook):
+class _Factor(jls.hooks.Hook):
     name = "factor"
 
     def __init__(self, value):

@@ -1,4 +1,4 @@
-"""Low-precision parameters: `jls.compensated` and `jls.stochastic_rounding`."""
+"""Low-precision parameters: `compensated` and `stochastic_rounding`."""
 
 # pyright: reportIndexIssue=false, reportAttributeAccessIssue=false
 # pyright: reportArgumentType=false, reportOperatorIssue=false
@@ -35,7 +35,7 @@ def test_apply_updates_lands_exactly_on_the_compensated_value(dtype, gap, seed):
     p = (rng.uniform(1, 2, 64) * 2.0 ** rng.integers(-8, 8, 64)).astype(dtype)
     u = (p.astype(np.float32) * rng.uniform(-1, 1, 64) * 2.0**-gap).astype(np.float32)
     c = (u * rng.uniform(-0.5, 0.5, 64)).astype(dtype)
-    tx = jls.compensated(_given())
+    tx = jls.precision.compensated(_given())
     state = tx.init(jnp.asarray(p))._replace(compensation=jnp.asarray(c))
     step, state = jax.jit(tx.update)(jnp.asarray(u), state, jnp.asarray(p))
     new = optax.apply_updates(jnp.asarray(p), step)
@@ -55,8 +55,8 @@ def test_small_updates_accumulate_instead_of_vanishing(dtype):
     results = {}
     for name, tx in [
         ("plain", optax.sgd(lr)),
-        ("kahan", jls.compensated(optax.sgd(lr))),
-        ("sr", jls.stochastic_rounding(optax.sgd(lr))),
+        ("kahan", jls.precision.compensated(optax.sgd(lr))),
+        ("sr", jls.precision.stochastic_rounding(optax.sgd(lr))),
     ]:
         p, s = p0, tx.init(p0)
         update = jax.jit(tx.update)
@@ -71,7 +71,9 @@ def test_small_updates_accumulate_instead_of_vanishing(dtype):
     assert abs(results["sr"].mean() - exact) < 4 * ulp
 
 
-@pytest.mark.parametrize("wrap", [jls.compensated, jls.stochastic_rounding])
+@pytest.mark.parametrize(
+    "wrap", [jls.precision.compensated, jls.precision.stochastic_rounding]
+)
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_skipped_step_leaves_the_buffer_and_count_unchanged(wrap, fused):
     params = {"w": jnp.full((4, 4), 1.0, jnp.bfloat16), "b": jnp.ones(4, jnp.float32)}
@@ -106,7 +108,9 @@ def test_the_fused_path_matches_tx_update():
     ]
     out = {}
     for fused in (False, True):
-        tx = jls.loss_scaling(jls.compensated(optax.sgd(1e-3)), jls.static_scale(2**8))
+        tx = jls.loss_scaling(
+            jls.precision.compensated(optax.sgd(1e-3)), jls.static_scale(2**8)
+        )
         p, s = params, tx.init(params)
         fused_step = jax.jit(lambda g, s, p, tx=tx: jls.apply_gradients(tx, g, s, p))
         for g in grads:
@@ -152,10 +156,10 @@ def test_stochastic_rounding_is_reproducible_and_keyed():
             p = optax.apply_updates(p, u)
         return p
 
-    a = run(jls.stochastic_rounding(optax.sgd(1e-3)))
-    b = run(jls.stochastic_rounding(optax.sgd(1e-3)))
-    c = run(jls.stochastic_rounding(optax.sgd(1e-3), seed=1))
-    d = run(jls.stochastic_rounding(optax.sgd(1e-3)), key=jax.random.key(7))
+    a = run(jls.precision.stochastic_rounding(optax.sgd(1e-3)))
+    b = run(jls.precision.stochastic_rounding(optax.sgd(1e-3)))
+    c = run(jls.precision.stochastic_rounding(optax.sgd(1e-3), seed=1))
+    d = run(jls.precision.stochastic_rounding(optax.sgd(1e-3)), key=jax.random.key(7))
     chex.assert_trees_all_equal(a, b)
     assert not np.array_equal(np.asarray(a), np.asarray(c))
     assert not np.array_equal(np.asarray(a), np.asarray(d))
@@ -163,7 +167,7 @@ def test_stochastic_rounding_is_reproducible_and_keyed():
 
 def test_float32_parameters_are_updated_as_the_inner_says():
     params = {"w": jnp.ones(4, jnp.float32)}
-    tx = jls.stochastic_rounding(optax.sgd(0.1))
+    tx = jls.precision.stochastic_rounding(optax.sgd(0.1))
     u, _ = tx.update({"w": jnp.full(4, 0.3)}, tx.init(params), params)
     sgd = optax.sgd(0.1)
     want, _ = sgd.update({"w": jnp.full(4, 0.3)}, sgd.init(params), params)
@@ -173,7 +177,9 @@ def test_float32_parameters_are_updated_as_the_inner_says():
 def test_one_trace_per_step():
     traces = []
     params = jnp.ones(16, jnp.bfloat16)
-    inner = jls.stochastic_rounding(jls.compensated(optax.adam(1e-3)))
+    inner = jls.precision.stochastic_rounding(
+        jls.precision.compensated(optax.adam(1e-3))
+    )
     tx = jls.loss_scaling(inner, jls.no_scale())
 
     @jax.jit
@@ -187,7 +193,9 @@ def test_one_trace_per_step():
     assert len(traces) == 1
 
 
-@pytest.mark.parametrize("wrap", [jls.compensated, jls.stochastic_rounding])
+@pytest.mark.parametrize(
+    "wrap", [jls.precision.compensated, jls.precision.stochastic_rounding]
+)
 def test_the_parameters_are_required(wrap):
     tx = wrap(optax.sgd(0.1))
     params = jnp.ones(2, jnp.bfloat16)
@@ -198,7 +206,7 @@ def test_the_parameters_are_required(wrap):
 def test_a_finite_run_saturates_instead_of_overflowing():
     # Kahan's buffer would push 65504 + 16 to inf in float16 and then make
     # the buffer -inf and everything nan; plain rounding stays at 65504.
-    tx = jls.compensated(optax.sgd(1.0))
+    tx = jls.precision.compensated(optax.sgd(1.0))
     p = jnp.asarray([65504.0], jnp.float16)
     s = tx.init(p)
     for _ in range(5):
@@ -227,7 +235,9 @@ def test_stochastic_rounding_saturates_on_both_sides(dtype, x, want):
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-7)
 
 
-@pytest.mark.parametrize("wrap", [jls.compensated, jls.stochastic_rounding])
+@pytest.mark.parametrize(
+    "wrap", [jls.precision.compensated, jls.precision.stochastic_rounding]
+)
 def test_fp8_parameters_are_refused_and_python_floats_work(wrap):
     p = jnp.asarray([1.0, 2.0], jnp.float8_e4m3fn)
     tx = wrap(optax.sgd(0.5))

@@ -155,7 +155,7 @@ def test_any_other_wrapper_around_loss_scaling_is_warned_about():
     lookahead = optax.lookahead(_sgd(), 2, 0.5)
     for state in (
         lookahead.init(optax.LookaheadParams.init_synced(PARAMS)),
-        jls.compensated(_sgd()).init(PARAMS),
+        jls.precision.compensated(_sgd()).init(PARAMS),
     ):
         for use in _lookups():
             with pytest.warns(UserWarning, match=r"Put it inside loss_scaling"):

@@ -25,20 +25,20 @@ def test_diagnostics_name_the_bad_leaves():
     grads = jax.tree.map(jnp.ones_like, params)
     step = jax.jit(lambda g, s, p: jls.apply_gradients(tx, g, s, p))
     _, state = step(grads, state, params)
-    assert jls.nonfinite_paths(state) == []
+    assert jls.hooks.nonfinite_paths(state) == []
     bad = {
         "enc": {"w": grads["enc"]["w"].at[0, 1].set(jnp.nan)},
         "dec": dict(grads["dec"], b=jnp.array([jnp.inf])),
     }
     _, state = step(bad, state, params)
-    assert jls.nonfinite_paths(state) == ["['dec']['b']", "['enc']['w']"]
+    assert jls.hooks.nonfinite_paths(state) == ["['dec']['b']", "['enc']['w']"]
     flags = jls.metrics(state)["nonfinite_leaves"]
     assert bool(flags["enc"]["w"]) and not bool(flags["dec"]["w"])
     chex.assert_trees_all_equal(jls.metrics(state)["nonfinite_leaves"], flags)
     _, state = step(grads, state, params)
-    assert jls.nonfinite_paths(state) == []
+    assert jls.hooks.nonfinite_paths(state) == []
     with pytest.raises(ValueError, match="diagnostics=True"):
-        jls.nonfinite_paths(jls.loss_scaling(optax.sgd(1.0)).init(params))
+        jls.hooks.nonfinite_paths(jls.loss_scaling(optax.sgd(1.0)).init(params))
 
 
 def test_diagnostics_cost_nothing_on_the_finite_path():

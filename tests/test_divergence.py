@@ -1,4 +1,4 @@
-"""Divergence: the sticky flag and `jls.raise_if_diverged`, host and checkify."""
+"""Divergence: the sticky flag and `jls.hooks.raise_if_diverged`, host and checkify."""
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
@@ -18,7 +18,7 @@ def test_raise_if_diverged_inside_jit_says_where_to_call_it():
     state = tx.init(jnp.zeros(2))
 
     def checked(s):
-        jls.raise_if_diverged(s)
+        jls.hooks.raise_if_diverged(s)
         return s
 
     with pytest.raises(TypeError, match="on the host after the step.*checkify"):
@@ -38,12 +38,12 @@ def test_divergence_error_at_the_host_check():
     params, state = W, tx.init(W)
     for _ in range(2):
         params, state, out = step(params, state, bad)
-        jls.raise_if_diverged(state)
+        jls.hooks.raise_if_diverged(state)
     params, state, out = step(params, state, bad)
     with pytest.raises(
-        jls.DivergenceError, match="jls: loss scaling diverged: 3 consecutive"
+        jls.hooks.DivergenceError, match="jls: loss scaling diverged: 3 consecutive"
     ):
-        jls.raise_if_diverged(state)
+        jls.hooks.raise_if_diverged(state)
 
 
 def test_no_divergence_error_when_steps_recover():
@@ -54,8 +54,8 @@ def test_no_divergence_error_when_steps_recover():
         x = X.at[0, 0].set(jnp.nan) if i % 2 else X
         params, state, out = step(params, state, x)
         jax.block_until_ready(out)
-    jls.raise_if_diverged(state, 2)
-    jls.raise_if_diverged(state)
+    jls.hooks.raise_if_diverged(state, 2)
+    jls.hooks.raise_if_diverged(state)
 
 
 def test_host_and_checkify_divergence_checks():
@@ -63,12 +63,12 @@ def test_host_and_checkify_divergence_checks():
     state = scaler.init()
     for _ in range(3):
         state = scaler.adjust(state, False)
-    jls.raise_if_diverged(state, 4)
-    with pytest.raises(jls.DivergenceError, match="3 consecutive skipped steps"):
-        jls.raise_if_diverged(state, 3)
+    jls.hooks.raise_if_diverged(state, 4)
+    with pytest.raises(jls.hooks.DivergenceError, match="3 consecutive skipped steps"):
+        jls.hooks.raise_if_diverged(state, 3)
 
     def check(state):
-        jls.raise_if_diverged(state, 3)
+        jls.hooks.raise_if_diverged(state, 3)
         return state
 
     err, _ = jax.jit(checkify.checkify(check))(state)
@@ -77,7 +77,7 @@ def test_host_and_checkify_divergence_checks():
     err, _ = jax.jit(checkify.checkify(check))(scaler.init())
     err.throw()  # no error
     with pytest.raises(ValueError, match="max_consecutive_skips must be"):
-        jls.raise_if_diverged(state, 0)
+        jls.hooks.raise_if_diverged(state, 0)
     with pytest.raises(ValueError, match="max_consecutive_skips must be an int"):
         jls.loss_scaling(optax.sgd(0.1), max_consecutive_skips=0)
 
@@ -114,14 +114,16 @@ def test_a_default_transformation_flags_divergence_after_1000_skips():
         return jax.lax.scan(body, state, None, length=999)[0]
 
     state = jax.jit(skip_many)(state)
-    jls.raise_if_diverged(state)  # 999 in a row: not yet
+    jls.hooks.raise_if_diverged(state)  # 999 in a row: not yet
     _, state = jax.jit(tx.update)(bad, state, params)
-    with pytest.raises(jls.DivergenceError, match="1000 consecutive skipped steps"):
-        jls.raise_if_diverged(state)
+    with pytest.raises(
+        jls.hooks.DivergenceError, match="1000 consecutive skipped steps"
+    ):
+        jls.hooks.raise_if_diverged(state)
     # The one-call step has it too, and None turns it off.
     step = jls.train_step(lambda p, x: jnp.sum(p["w"] * x), tx)
     _, state, _ = jax.jit(step)(params, state, jnp.full(2, jnp.nan))
-    with pytest.raises(jls.DivergenceError):
-        jls.raise_if_diverged(state)
+    with pytest.raises(jls.hooks.DivergenceError):
+        jls.hooks.raise_if_diverged(state)
     off = jls.loss_scaling(optax.sgd(0.1), max_consecutive_skips=None)
     assert "diverged" not in jls.metrics(off.init(params))

@@ -4,6 +4,8 @@
 # pyright: reportOptionalOperand=false, reportOptionalMemberAccess=false
 # pyright: reportArgumentType=false
 
+from typing import NamedTuple
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import pytest
 import jls
 
 
-class SkipHighLoss(jls.Hook):
+class SkipHighLoss(jls.hooks.Hook):
     """Skip a step whose (replicas' mean) loss is above a limit."""
 
     name = "skip_high_loss"
@@ -27,27 +29,30 @@ class SkipHighLoss(jls.Hook):
         return info.loss > self.limit
 
 
-class CountApplied(jls.Hook):
+class CountedState(NamedTuple):
+    """What CountApplied keeps; its metrics are what jls.metrics reports."""
+
+    applied: jax.Array
+    norm: jax.Array
+
+    def metrics(self):
+        return {"applied_steps": self.applied}
+
+
+class CountApplied(jls.hooks.Hook):
     """Counts applied steps; records the latest norm (a statistic)."""
 
     name = "count_applied"
     needs_norm = True
 
     def init(self, params):
-        return {"applied": jnp.int32(0), "norm": jnp.float32(0)}
+        return CountedState(jnp.int32(0), jnp.float32(0))
 
     def update(self, state, info, vetoed):
-        return {
-            "applied": state["applied"] + info.applied.astype(jnp.int32),
-            "norm": info.norm,
-        }
-
-    @classmethod
-    def metrics(cls, state):
-        return {"applied_steps": state["applied"]}
+        return CountedState(state.applied + info.applied.astype(jnp.int32), info.norm)
 
 
-class HoldOnNanLoss(jls.Hook):
+class HoldOnNanLoss(jls.hooks.Hook):
     """Skip a step whose loss is not finite, holding the scale rule."""
 
     name = "hold_on_nan_loss"
@@ -91,7 +96,7 @@ def test_a_statistic_hook_records_and_reports():
         _, state = update(_grads(value), state, PARAMS)
     assert int(jls.metrics(state)["applied_steps"]) == 2
     want = float(np.sqrt(6 * 4.0))  # the last step's norm: six 2.0s
-    assert float(state.hooks["count_applied"]["norm"]) == pytest.approx(want)
+    assert float(state.hooks["count_applied"].norm) == pytest.approx(want)
 
 
 def test_a_veto_on_one_replica_skips_every_replica():
@@ -133,16 +138,16 @@ def test_a_holding_veto_leaves_the_scale_rule_where_it_was():
 
 
 def test_hook_misuse_is_named():
-    with pytest.raises(TypeError, match="hooks must be a sequence of jls.Hook"):
+    with pytest.raises(TypeError, match="hooks must be a sequence of jls.hooks.Hook"):
         jls.loss_scaling(optax.sgd(0.1), hooks=SkipHighLoss())
-    with pytest.raises(TypeError, match="hooks must be a sequence of jls.Hook"):
+    with pytest.raises(TypeError, match="hooks must be a sequence of jls.hooks.Hook"):
         jls.loss_scaling(optax.sgd(0.1), hooks=[lambda s, i: True])
     tx = jls.loss_scaling(optax.sgd(0.1), hooks=[SkipHighLoss()])
     state = tx.init(PARAMS)
     with pytest.raises(TypeError, match=r"\['skip_high_loss'\] watch the loss"):
         tx.update(_grads(), state, PARAMS)
 
-    class BadVeto(jls.Hook):
+    class BadVeto(jls.hooks.Hook):
         name = "bad_veto"
 
         def veto(self, state, info):
@@ -151,3 +156,51 @@ def test_hook_misuse_is_named():
     bad = jls.loss_scaling(optax.sgd(0.1), hooks=[BadVeto()])
     with pytest.raises(TypeError, match="hook 'bad_veto': veto must return a scalar"):
         bad.update(_grads(), bad.init(PARAMS), PARAMS)
+
+
+def test_a_hook_class_with_jls_0_3s_metrics_classmethod_is_told_the_new_way():
+    with pytest.warns(DeprecationWarning, match="metrics come from its state"):
+
+        class Old(jls.hooks.Hook):  # pyright: ignore[reportUnusedClass]
+            name = "old"
+
+            @classmethod
+            def metrics(cls, state):
+                return {}
+
+
+class SameKey(NamedTuple):
+    """A state that reports a key a built-in hook reports."""
+
+    value: jax.Array
+
+    def metrics(self):
+        return {"spike": self.value}
+
+
+class Shadow(jls.hooks.Hook):
+    """A user hook whose state reports a key a built-in reports."""
+
+    name = "shadow"
+
+    def init(self, params):
+        return SameKey(jnp.bool_(True))
+
+
+def test_no_registry_a_user_hook_cannot_replace_a_built_in_hooks_metrics():
+    # 0.3 looked metrics up in a global registry by hook name: a user hook
+    # named "spikes" replaced the spike rule's metrics for every
+    # transformation. Now each state reports its own, and a clash is refused.
+    tx = jls.loss_scaling(optax.sgd(0.1), hooks=[Shadow()])
+    state = tx.init({"w": jnp.ones(2)})
+    assert bool(jls.metrics(state)["spike"])  # its own, no spike rule here
+    clash = jls.loss_scaling(
+        optax.sgd(0.1), skip_spikes=jls.hooks.SpikeRule(), hooks=[Shadow()]
+    )
+    with pytest.raises(ValueError, match="report 'spike' twice"):
+        jls.metrics(clash.init({"w": jnp.ones(2)}))
+
+
+def test_two_hooks_of_one_name_are_refused_at_construction():
+    with pytest.raises(ValueError, match="distinct names"):
+        jls.loss_scaling(optax.sgd(0.1), hooks=[Shadow(), Shadow()])

@@ -30,7 +30,6 @@ def _misuse_cases():
     tx = jls.loss_scaling(optax.sgd(0.1))
     state = tx.init(params)
     grads = {"w": jnp.ones(3)}
-    scaling = jls.LossScaling._of(tx)
     return [
         (
             "apply_gradients without opt_state",
@@ -87,22 +86,14 @@ def _misuse_cases():
             r"train_step\(loss_fn, tx\).*swapped",
         ),
         (
-            "decide given the whole optimizer state",
-            lambda: scaling._decide(grads, state),
+            "update given a state with a Python-float scale",
+            lambda: tx.update(
+                grads,
+                state._replace(loss_scale=state.loss_scale._replace(scale=1024.0)),
+                params,
+            ),
             TypeError,
-            r"loss_scale must be a jls.LossScaleState.*pass its .loss_scale",
-        ),
-        (
-            "decide given the old (finite, apply) pair",
-            lambda: scaling._decide(grads, (jnp.asarray(True), jnp.asarray(True))),
-            TypeError,
-            r"loss_scale must be a jls.LossScaleState, got tuple",
-        ),
-        (
-            "decide given a Python-float scale",
-            lambda: scaling._decide(grads, state.loss_scale._replace(scale=1024.0)),
-            TypeError,
-            r"loss_scale.scale must be a float32",
+            r"opt_state.loss_scale.scale must be a float32",
         ),
         (
             "a loss scale state that is the whole state",
@@ -340,7 +331,7 @@ OPTIONS = [
     {},
     {"max_consecutive_skips": None},
     {"gradient_norm": True},
-    {"diagnostics": True, "skip_spikes": jls.SpikeRule(), "scale_stats": True},
+    {"diagnostics": True, "skip_spikes": jls.hooks.SpikeRule(), "scale_stats": True},
 ]
 
 

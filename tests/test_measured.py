@@ -176,7 +176,7 @@ def test_the_measured_scaler_finds_its_scale_and_skips_change_nothing(path):
         optax.adam(1e-3),
         jls.measured_scale(2.0**10, init_scale=2.0**4),
         gradient_norm=True,
-        skip_spikes=jls.SpikeRule(warmup=5),
+        skip_spikes=jls.hooks.SpikeRule(warmup=5),
     )
     traces = []
 

@@ -1,4 +1,4 @@
-"""`jls.get_policy`: jmp's own policy tests as the specification, and jmp live."""
+"""`jls.precision.get_policy`: jmp's policy tests as the specification, and jmp live."""
 
 import itertools
 
@@ -30,7 +30,7 @@ def _dtypes_equal(a, b):
 @pytest.mark.parametrize("dtype, np_", CASES)
 @pytest.mark.parametrize("which", ["param", "compute", "output"])
 def test_policy_casts(dtype, np_, which):
-    policy = jls.Policy(dtype, dtype, dtype)
+    policy = jls.precision.Policy(dtype, dtype, dtype)
     assert getattr(policy, f"{which}_dtype") == dtype
     cast = getattr(policy, f"cast_to_{which}")({"a": np_.ones([])})
     _dtypes_equal(cast, {"a": np_.ones([], dtype)})
@@ -38,7 +38,7 @@ def test_policy_casts(dtype, np_, which):
 
 @pytest.mark.parametrize("dtype, np_", CASES)
 def test_policy_with_output_dtype(dtype, np_):
-    policy = jls.Policy(np_.float32, np_.float32, np_.float32)
+    policy = jls.precision.Policy(np_.float32, np_.float32, np_.float32)
     assert policy.with_output_dtype(dtype).output_dtype == dtype
 
 
@@ -47,31 +47,31 @@ def test_policy_with_output_dtype(dtype, np_):
     [("float16", np.float16), ("float32", np.float32), ("bfloat16", jnp.bfloat16)],
 )
 def test_get_policy(name, dtype):
-    policy = jls.get_policy(name)
+    policy = jls.precision.get_policy(name)
     assert policy.param_dtype == policy.compute_dtype == policy.output_dtype == dtype
 
 
 def test_get_policy_almost_dtype():
     with pytest.raises(ValueError, match="Unknown dtype 'compute_float16'"):
-        jls.get_policy("compute_float16")
+        jls.precision.get_policy("compute_float16")
 
 
 @pytest.mark.parametrize("dtype, np_", CASES)
 def test_get_policy_mixed(dtype, np_):
-    policy = jls.get_policy(f"c={NAMES[np.dtype(dtype)]}")
+    policy = jls.precision.get_policy(f"c={NAMES[np.dtype(dtype)]}")
     assert policy.param_dtype == np_.float32
     assert policy.compute_dtype == policy.output_dtype == dtype
 
 
 @pytest.mark.parametrize("dtype, np_", CASES)
 def test_get_policy_compute(dtype, np_):
-    policy = jls.get_policy(f"c={NAMES[np.dtype(dtype)]},o=full")
+    policy = jls.precision.get_policy(f"c={NAMES[np.dtype(dtype)]},o=full")
     assert policy.param_dtype == policy.output_dtype == np_.float32
     assert policy.compute_dtype == dtype
 
 
 def test_half_is_float16_off_tpu():
-    assert jls.get_policy("half").compute_dtype == jnp.float16  # CPU here
+    assert jls.precision.get_policy("half").compute_dtype == jnp.float16  # CPU here
 
 
 def test_cast_leaves_other_leaves_alone():
@@ -82,17 +82,17 @@ def test_cast_leaves_other_leaves_alone():
         "f": jnp.ones([]),
         "i": jnp.ones([], jnp.int16),
     }
-    full = jls.get_policy("full").cast_to_param(tree)
+    full = jls.precision.get_policy("full").cast_to_param(tree)
     assert full["o"] is obj and full["i"] is tree["i"] and full["f"] is tree["f"]
     assert full["h"].dtype == jnp.float32
-    half = jls.get_policy("half").cast_to_compute(tree)
+    half = jls.precision.get_policy("half").cast_to_compute(tree)
     assert half["h"] is tree["h"] and half["f"].dtype == jnp.float16
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_str(dtype):
     first_name = {"float16": "f16", "bfloat16": "bf16", "float32": "full"}
-    policy = jls.Policy(dtype, dtype, dtype)
+    policy = jls.precision.Policy(dtype, dtype, dtype)
     for piece in str(policy).split(","):
         assert piece.split("=")[1] == first_name[np.dtype(dtype).name]
 
@@ -117,7 +117,7 @@ STRINGS = [
 
 @pytest.mark.parametrize("text", STRINGS)
 def test_the_same_policy_as_jmp(text):
-    ours, theirs = jls.get_policy(text), jmp.get_policy(text)
+    ours, theirs = jls.precision.get_policy(text), jmp.get_policy(text)
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
         assert getattr(ours, field) == np.dtype(getattr(theirs, field)), field
     assert str(ours) == str(theirs)
@@ -138,19 +138,19 @@ def test_the_same_policy_as_jmp(text):
 )
 def test_bad_policy_strings_name_the_part(text, match):
     with pytest.raises(ValueError, match=match):
-        jls.get_policy(text)
+        jls.precision.get_policy(text)
 
 
 def test_policy_dtypes_must_be_floating():
     with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
-        jls.Policy(jnp.float32, jnp.int32, jnp.float32)
+        jls.precision.Policy(jnp.float32, jnp.int32, jnp.float32)
     with pytest.raises(TypeError, match="policy must be a string"):
-        jls.get_policy(jnp.float16)
+        jls.precision.get_policy(jnp.float16)
 
 
 def test_an_equinox_module_is_cast_as_it_is():
     model = eqx.nn.MLP(3, 2, 4, 1, activation=jax.nn.gelu, key=jax.random.key(0))
-    policy = jls.get_policy("p=f32,c=f16,o=f32")
+    policy = jls.precision.get_policy("p=f32,c=f16,o=f32")
     half = policy.cast_to_compute(model)
     assert half.activation is jax.nn.gelu
     assert {x.dtype for x in jax.tree.leaves(eqx.filter(half, eqx.is_array))} == {
@@ -161,7 +161,7 @@ def test_an_equinox_module_is_cast_as_it_is():
 
 
 def test_cast_arguments_computes_in_compute_precision_and_differentiates():
-    policy = jls.get_policy("c=f16,o=f32")
+    policy = jls.precision.get_policy("c=f16,o=f32")
 
     @policy.cast_arguments
     def loss(w, x):
@@ -180,7 +180,7 @@ def test_weakly_typed_arrays_become_strong_as_with_jmp(cast):
     weak = jnp.asarray(2.0)
     assert jax.typeof(weak).weak_type
     policy = "p=f32,c=f32,o=f32"
-    ours = getattr(jls.get_policy(policy), cast)(weak)
+    ours = getattr(jls.precision.get_policy(policy), cast)(weak)
     theirs = getattr(jmp.get_policy(policy), cast)(weak)
     assert not jax.typeof(ours).weak_type
     f16 = jnp.ones(2, jnp.float16)
@@ -188,7 +188,9 @@ def test_weakly_typed_arrays_become_strong_as_with_jmp(cast):
 
     @jax.jit
     def traced(x):
-        return (getattr(jls.get_policy(policy), cast)(x) * f16).dtype == jnp.float32
+        return (
+            getattr(jls.precision.get_policy(policy), cast)(x) * f16
+        ).dtype == jnp.float32
 
     assert traced(weak)
 
@@ -197,7 +199,7 @@ def test_an_nnx_module_is_refused_by_argument_casting_with_the_nnx_way():
     from flax import nnx
 
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    policy = jls.get_policy("params=float32,compute=float16,output=float32")
+    policy = jls.precision.get_policy("params=float32,compute=float16,output=float32")
     for call in (
         lambda: policy.cast_to_compute(model),
         lambda: policy.cast_arguments(lambda m, x: m(x))(model, jnp.ones((1, 2))),

@@ -1,4 +1,4 @@
-"""`jls.precision_report`: which dtype each matmul really runs in."""
+"""`jls.precision.precision_report`: which dtype each matmul really runs in."""
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 # pyright: reportCallIssue=false, reportIndexIssue=false
@@ -15,7 +15,7 @@ from flax import nnx
 
 import jls
 
-POLICY = jls.get_policy("params=float32,compute=float16,output=float32")
+POLICY = jls.precision.get_policy("params=float32,compute=float16,output=float32")
 F16 = jnp.float16
 
 
@@ -34,7 +34,7 @@ def test_counts_matmuls_and_convolutions_by_dtype():
         )
         return (x @ w).sum() + y.sum().astype(jnp.float32)
 
-    report = jls.precision_report(fn, w, k, x, img)
+    report = jls.precision.precision_report(fn, w, k, x, img)
     assert report.counts == {"float32": 1, "float16": 1}
     kinds = sorted(op.kind for op in report.ops)
     assert kinds == ["conv_general_dilated", "dot_general"]
@@ -56,14 +56,16 @@ def test_nested_programs_are_walked():
             lambda c: c[1] < 2, lambda c: (c[0] @ w, c[1] + 1), (h, 0)
         )
 
-    report = jls.precision_report(fn, jnp.ones((2, 4), F16))
+    report = jls.precision.precision_report(fn, jnp.ones((2, 4), F16))
     assert report.counts == {"float16": 5}
 
 
 def test_a_closed_over_model_is_reported_in_its_own_dtype():
     w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
-    passed = jls.precision_report(POLICY.cast_arguments(lambda w, x: x @ w), w, x)
-    closed = jls.precision_report(POLICY.cast_arguments(lambda x: x @ w), x)
+    passed = jls.precision.precision_report(
+        POLICY.cast_arguments(lambda w, x: x @ w), w, x
+    )
+    closed = jls.precision.precision_report(POLICY.cast_arguments(lambda x: x @ w), x)
     assert passed.counts == {"float16": 1}
     assert closed.counts == {"float32": 1}
     message = r"1 of 1 matmuls/convolutions do not compute in float16:\n"
@@ -72,7 +74,7 @@ def test_a_closed_over_model_is_reported_in_its_own_dtype():
         closed.check(F16)
     passed.check(F16)  # quietly
     # Autocast casts at the matmul: a closed-over model is float16 too.
-    jls.precision_report(POLICY.wrap(lambda x: x @ w), x).check(F16)
+    jls.precision.precision_report(POLICY.wrap(lambda x: x @ w), x).check(F16)
 
 
 def test_an_equinox_gru_with_a_float32_carry():
@@ -96,8 +98,8 @@ def test_an_equinox_gru_with_a_float32_carry():
     def forward(carry_dtype):
         return POLICY.cast_arguments(lambda m, xs: m(xs, carry_dtype))
 
-    bad = jls.precision_report(forward(jnp.float32), model, xs)
-    good = jls.precision_report(forward(jnp.float16), model, xs)
+    bad = jls.precision.precision_report(forward(jnp.float32), model, xs)
+    good = jls.precision.precision_report(forward(jnp.float16), model, xs)
     # The carry made inside the model in float32 promotes the hidden-state
     # matmuls back to float32 (the input ones stay float16).
     assert bad.counts.get("float32", 0) > 0 and bad.counts.get("float16", 0) > 0
@@ -106,7 +108,7 @@ def test_an_equinox_gru_with_a_float32_carry():
     assert "not in float16" not in str(good)
     # Autocast casts at each matmul: the float32 carry is no trap.
     autocast = POLICY.wrap(lambda m, xs: m(xs, jnp.float32))
-    jls.precision_report(autocast, model, xs).check(F16)
+    jls.precision.precision_report(autocast, model, xs).check(F16)
 
 
 def test_an_nnx_model_with_layer_dtypes():
@@ -121,8 +123,10 @@ def test_an_nnx_model_with_layer_dtypes():
             return self.b(nnx.relu(self.bn(self.a(x))))
 
     x = jnp.ones((4, 3))
-    assert jls.precision_report(lambda m, x: m(x), Net(F16), x).counts == {"float16": 2}
-    assert jls.precision_report(lambda m, x: m(x), Net(None), x).counts == {
+    assert jls.precision.precision_report(lambda m, x: m(x), Net(F16), x).counts == {
+        "float16": 2
+    }
+    assert jls.precision.precision_report(lambda m, x: m(x), Net(None), x).counts == {
         "float32": 2
     }
 
@@ -149,7 +153,7 @@ def test_a_linen_lstm_under_scan_and_its_carry():
     def forward(params, xs, dtype):
         return model.apply(params, xs, dtype)
 
-    good = jls.precision_report(forward, params, xs, jnp.float16)
+    good = jls.precision.precision_report(forward, params, xs, jnp.float16)
     assert set(good.counts) == {"float16"} and sum(good.counts.values()) >= 2
     # The LSTM keeps its gates' numerics in float16: information, not errors.
     assert any(op.kind == "logistic" for op in good.info)
@@ -159,7 +163,7 @@ def test_softmax_and_low_precision_reductions_are_information():
     def fn(x):
         return jax.nn.softmax(x @ x.T).sum() + jnp.exp(x).sum()
 
-    report = jls.precision_report(fn, jnp.ones((3, 3), F16))
+    report = jls.precision.precision_report(fn, jnp.ones((3, 3), F16))
     kinds = {op.kind for op in report.info}
     # jnp.sum upcasts a float16 sum to float32: not listed; the softmax's
     # exp, and the other exp, are float16 (its max is exact in any dtype).
@@ -177,12 +181,12 @@ def test_nothing_is_executed():
         jax.debug.callback(lambda: calls.append(1))
         return x @ x
 
-    jls.precision_report(fn, jnp.ones((2, 2)))
+    jls.precision.precision_report(fn, jnp.ones((2, 2)))
     assert calls == []
 
 
 def test_a_function_without_matmuls_fails_the_check():
-    report = jls.precision_report(lambda x: x + 1, jnp.ones(3))
+    report = jls.precision.precision_report(lambda x: x + 1, jnp.ones(3))
     assert report.counts == {}
     with pytest.raises(ValueError, match="no matmul or convolution was traced"):
         report.check(F16)
@@ -198,12 +202,12 @@ def test_a_float32_ragged_dot_fails_the_float16_check():
         h = (x @ w).astype(jnp.float32)
         return jax.lax.ragged_dot(h, experts, sizes)
 
-    report = jls.precision_report(fn, x, w, experts, sizes)
+    report = jls.precision.precision_report(fn, x, w, experts, sizes)
     assert report.counts == {"float16": 1, "float32": 1}
     assert [op.kind for op in report.ops] == ["dot_general", "ragged_dot_general"]
     with pytest.raises(ValueError, match="ragged_dot_general in float32 at"):
         report.check(F16)
-    cast = jls.precision_report(POLICY.wrap(fn), x, w, experts, sizes)
+    cast = jls.precision.precision_report(POLICY.wrap(fn), x, w, experts, sizes)
     cast.check(F16)
 
 
@@ -214,7 +218,7 @@ def test_the_float32_kept_ops_are_listed_beside_the_matmuls():
         logits = x @ w
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    kept = jls.precision_report(POLICY.wrap(loss), w, x, y)
+    kept = jls.precision.precision_report(POLICY.wrap(loss), w, x, y)
     assert kept.counts == {"float16": 1}
     # The log-softmax's exp (labelled softmax where optax's pattern shows
     # one), its log and the sums, all float32.
@@ -225,13 +229,15 @@ def test_the_float32_kept_ops_are_listed_beside_the_matmuls():
     assert "range-sensitive ops (softmax, exp, log, sums) by dtype:" in text
     assert re.search(r"\n  log +float32 1\n", text), text
     # Argument casting runs the loss's exp and log in float16: shown too.
-    cast = jls.precision_report(POLICY.cast_arguments(loss), w, x, y)
+    cast = jls.precision.precision_report(POLICY.cast_arguments(loss), w, x, y)
     exp = cast.numerics.get("exp") or cast.numerics["softmax"]
     assert set(exp) == set(cast.numerics["log"]) == {"float16"}
 
 
 def test_a_softmax_is_counted_as_one_softmax():
-    report = jls.precision_report(lambda x: jax.nn.softmax(x).sum(), jnp.ones((2, 3)))
+    report = jls.precision.precision_report(
+        lambda x: jax.nn.softmax(x).sum(), jnp.ones((2, 3))
+    )
     assert report.numerics["softmax"] == {"float32": 1}
     assert "exp" not in report.numerics
 
@@ -256,7 +262,7 @@ def test_collectives_are_listed_with_the_dtype_they_send():
             body, mesh=mesh, in_specs=P("b"), out_specs=P("b"), check_vma=False
         )
     )
-    report = jls.precision_report(step, jnp.ones(4, F16), jnp.ones(4))
+    report = jls.precision.precision_report(step, jnp.ones(4, F16), jnp.ones(4))
     found = [(op.kind, op.dtype) for op in report.collectives]
     assert found == [
         ("psum", "float16"),

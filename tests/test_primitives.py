@@ -4,7 +4,7 @@ The installed jax's primitives are enumerated from its own modules (private
 jax, read by this test only): a primitive a later jax adds whose name says
 dot, conv, matmul or einsum, or one of its parallel (collective) module,
 fails here until `jls._primitives` classifies it, instead of being missed by
-`jls.precision_report` and `jls.autocast`.
+`jls.precision.precision_report` and `jls.precision.autocast`.
 """
 
 import importlib

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jls
+from jls._decision import same_on_replicas
 from jls._replicas import fingerprint
 
 R = 4
@@ -97,7 +98,7 @@ def test_differing_bits_are_seen_where_values_compare_equal():
     # -0.0 == 0.0 as numbers; the check compares bits (pmean's results are
     # bitwise equal on every replica, so bits are the honest test).
     tx = jls.LossScaling(optax.sgd(0.1), axis_name="batch")
-    same = jax.vmap(lambda v: tx._same([v]), axis_name="batch")
+    same = jax.vmap(lambda v: same_on_replicas(tx.config, [v]), axis_name="batch")
     assert same(jnp.array([0.0, -0.0])).tolist() == [False, False]
     assert same(jnp.array([1.0, 1.0])).tolist() == [True, True]
     assert same(jnp.array([jnp.nan, jnp.nan])).tolist() == [True, True]

@@ -203,7 +203,7 @@ def _grads(n, seed=0):
 def test_every_n_measures_one_step_in_n_and_holds_between(every):
     seq = _grads(9)
     each, _ = _run(True, seq)
-    sampled, traces = _run(jls.ScaleStats(every=every), seq)
+    sampled, traces = _run(jls.hooks.ScaleStats(every=every), seq)
     assert traces == 1
     held = None
     for i, ((p1, s1), (p2, s2)) in enumerate(zip(each, sampled, strict=True)):
@@ -221,22 +221,22 @@ def test_every_n_measures_one_step_in_n_and_holds_between(every):
 def test_every_is_checked_and_every_one_is_the_default():
     for bad in (0, -1, 2**31):
         with pytest.raises(ValueError, match="every must be an int"):
-            jls.ScaleStats(every=bad)
+            jls.hooks.ScaleStats(every=bad)
     for bad in (1.5, True, "2"):
         with pytest.raises(TypeError, match="every must be an int"):
-            jls.ScaleStats(every=bad)
+            jls.hooks.ScaleStats(every=bad)
     seq = _grads(3, seed=1)
     a, _ = _run(True, seq)
-    b, _ = _run(jls.ScaleStats(jnp.float16, every=1), seq)
+    b, _ = _run(jls.hooks.ScaleStats(jnp.float16, every=1), seq)
     chex.assert_trees_all_equal(a, b)
 
 
 def test_every_n_without_donation_is_refused_naming_the_fix():
-    stats = jls.ScaleStats(every=4)
+    stats = jls.hooks.ScaleStats(every=4)
     for kwargs in ({"scale_stats": stats}, {"hooks": [stats]}):
         with pytest.raises(ValueError, match=r"ScaleStats\(every=4\).*or donate"):
             jls.loss_scaling(optax.sgd(0.1), **kwargs)
-    jls.loss_scaling(optax.sgd(0.1), scale_stats=jls.ScaleStats(every=1))
+    jls.loss_scaling(optax.sgd(0.1), scale_stats=jls.hooks.ScaleStats(every=1))
 
 
 def test_every_n_agrees_across_replicas():
@@ -246,7 +246,7 @@ def test_every_n_agrees_across_replicas():
         optax.sgd(0.1),
         jls.no_scale(),
         axis_name="r",
-        scale_stats=jls.ScaleStats(every=2),
+        scale_stats=jls.hooks.ScaleStats(every=2),
         donated=True,
     )
     state = tx.init(params)
@@ -263,4 +263,4 @@ def test_every_n_agrees_across_replicas():
 
 def test_a_none_dtype_is_refused_as_none():
     with pytest.raises(TypeError, match="floating dtype, got None"):
-        jls.ScaleStats(dtype=None)
+        jls.hooks.ScaleStats(dtype=None)

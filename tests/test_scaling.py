@@ -200,6 +200,8 @@ def test_a_loss_varying_over_a_shard_map_axis_is_warned_about():
 def test_a_reduced_loss_or_untracked_axes_scale_silently(check_vma):
     assert _scale_in_shard_map(reduce=True, check_vma=check_vma) == 8.0
     assert _scale_in_shard_map(reduce=False, check_vma=False) == 8.0
+
+
 def _gan_step(tx_g, tx_d, *, swap, fused):
     """One step of two jls optimizers; ``swap``: G's loss scaled with D's state."""
 

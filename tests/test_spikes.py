@@ -1,4 +1,4 @@
-"""The spike rule (`jls.SpikeRule`), against a reference of its statistics."""
+"""The spike rule (`jls.hooks.SpikeRule`), against a reference of its statistics."""
 
 # pyright: reportIndexIssue=false, reportAttributeAccessIssue=false
 # pyright: reportArgumentType=false, reportOperatorIssue=false
@@ -34,13 +34,13 @@ class RefSpikes:
 
 
 def _loss_rule_tx(scaler=None, **kw):
-    rule = jls.SpikeRule(watch="loss", warmup=3, threshold=3.0, **kw)
+    rule = jls.hooks.SpikeRule(watch="loss", warmup=3, threshold=3.0, **kw)
     return jls.loss_scaling(optax.sgd(0.01), scaler or jls.no_scale(), skip_spikes=rule)
 
 
 @pytest.mark.parametrize("scaler", [jls.no_scale(), jls.dynamic_scale(2.0**8)])
 def test_spikes_are_skipped_and_do_not_feed_the_statistics(scaler):
-    rule = jls.SpikeRule(threshold=4.0, warmup=10, window=20)
+    rule = jls.hooks.SpikeRule(threshold=4.0, warmup=10, window=20)
     params = {"w": jnp.zeros((50,))}
     tx = jls.loss_scaling(optax.sgd(0.1), scaler, skip_spikes=rule, gradient_norm=True)
     state = tx.init(params)
@@ -80,7 +80,7 @@ def test_spikes_are_skipped_and_do_not_feed_the_statistics(scaler):
 
 
 def test_watching_the_loss_needs_it_and_takes_it_from_train_step():
-    rule = jls.SpikeRule(watch="loss", warmup=3, threshold=3.0)
+    rule = jls.hooks.SpikeRule(watch="loss", warmup=3, threshold=3.0)
     params = {"w": jnp.ones(3)}
     tx = jls.loss_scaling(optax.sgd(0.01), jls.no_scale(), skip_spikes=rule)
     with pytest.raises(TypeError, match="loss="):
@@ -111,13 +111,13 @@ def test_watching_the_loss_needs_it_and_takes_it_from_train_step():
 )
 def test_spike_rule_arguments_are_checked(kwargs, error, name):
     with pytest.raises(error, match=name):
-        jls.SpikeRule(**kwargs)
+        jls.hooks.SpikeRule(**kwargs)
 
 
 def test_a_state_without_the_statistics_is_refused():
     params = {"w": jnp.ones(3)}
     plain = jls.loss_scaling(optax.sgd(0.1))
-    spiky = jls.loss_scaling(optax.sgd(0.1), skip_spikes=jls.SpikeRule())
+    spiky = jls.loss_scaling(optax.sgd(0.1), skip_spikes=jls.hooks.SpikeRule())
     with pytest.raises(TypeError, match=r"no state for the hooks \['spikes'\]"):
         spiky.update(params, plain.init(params), params)
     normed = jls.loss_scaling(optax.sgd(0.1), gradient_norm=True)
@@ -195,7 +195,7 @@ def test_a_huge_first_value_does_not_make_the_statistics_nan():
 
 
 def test_applied_nonfinite_steps_do_not_feed_the_norm_statistics():
-    rule = jls.SpikeRule(warmup=2)
+    rule = jls.hooks.SpikeRule(warmup=2)
     scaler = jls.no_scale(skip_nonfinite=False)
     tx = jls.loss_scaling(optax.sgd(0.01), scaler, skip_spikes=rule)
     params = {"w": jnp.ones(2)}
@@ -210,7 +210,7 @@ def test_a_vetoed_spike_holds_the_measured_scale():
     tx = jls.loss_scaling(
         optax.sgd(0.01),
         jls.measured_scale(init_scale=2.0**10),
-        skip_spikes=jls.SpikeRule(warmup=3, threshold=3.0),
+        skip_spikes=jls.hooks.SpikeRule(warmup=3, threshold=3.0),
     )
     params = {"w": jnp.ones(100)}
     state = tx.init(params)
@@ -244,7 +244,7 @@ def test_flax_train_state_takes_the_loss():
 def test_a_nonfinite_gradient_is_the_checks_business_not_a_spike(bad):
     # With skip_nonfinite=False such a step is applied, inf and nan alike,
     # and never counted as a spike; with the default it is skipped, not a spike.
-    rule = jls.SpikeRule(warmup=2, threshold=3.0)
+    rule = jls.hooks.SpikeRule(warmup=2, threshold=3.0)
     params = {"w": jnp.ones(4)}
     for scaler in (jls.no_scale(skip_nonfinite=False), jls.no_scale()):
         tx = jls.loss_scaling(optax.sgd(0.0), scaler, skip_spikes=rule)
@@ -270,7 +270,7 @@ def test_a_nonfinite_gradient_is_the_checks_business_not_a_spike(bad):
     ],
 )
 def test_statistics_from_a_checkpoint_are_not_trusted(field, value):
-    rule = jls.SpikeRule(warmup=3, threshold=3.0, watch="both")
+    rule = jls.hooks.SpikeRule(warmup=3, threshold=3.0, watch="both")
     tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), skip_spikes=rule)
     params = {"w": jnp.ones(4)}
     state = tx.init(params)
@@ -295,14 +295,14 @@ def test_statistics_from_a_checkpoint_are_not_trusted(field, value):
 @pytest.mark.parametrize("threshold", [1e39, 1e-45, float("inf"), float("nan")])
 def test_a_threshold_float32_cannot_hold_is_refused(threshold):
     with pytest.raises(ValueError, match="threshold"):
-        jls.SpikeRule(threshold=threshold)
+        jls.hooks.SpikeRule(threshold=threshold)
 
 
 def test_the_rule_recovers_when_the_warm_up_saw_one_value():
     # A loss weighted 0 during warm-up: std 0, so every later larger value
     # is a spike. After `patience` of them in a row the statistics restart,
     # learn the new level, and the run goes on.
-    rule = jls.SpikeRule(warmup=5, threshold=6.0, watch="loss", patience=10)
+    rule = jls.hooks.SpikeRule(warmup=5, threshold=6.0, watch="loss", patience=10)
     tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), skip_spikes=rule)
     params = {"w": jnp.ones(2)}
     state = tx.init(params)

@@ -12,6 +12,7 @@ import pytest
 from measured_grads import F32_MAX, _grads, _params
 
 import jls
+from jls._decision import decide
 from jls._finite import SMALL_LEAF
 from jls._squares import leaves_squares
 
@@ -77,7 +78,7 @@ def test_decide_reports_the_range_and_norm():
     params = _params()
     scaling = jls.LossScaling(optax.sgd(0.1), jls.measured_scale())
     grads = _grads(params, 2.0**15, np.random.default_rng(2))
-    d = scaling._decide(grads, scaling.scaler.init())
+    d = decide(scaling.config, grads, scaling.scaler.init())
     leaves = {k: np.asarray(v, np.float64) for k, v in grads.items()}
     small = np.concatenate([leaves["b"], leaves["h"]])
     rms = max(np.sqrt(np.mean(leaves["w"] ** 2)), np.sqrt(np.mean(small**2)))

@@ -34,19 +34,21 @@ def test_wrapped_transformations_cannot_take_the_fused_path():
         jls.apply_gradients(wrapped, PARAMS, wrapped.init(PARAMS), PARAMS)
 
 
-def test_deprecated_methods_warn_and_still_work():
+def test_jls_0_2s_deprecated_methods_are_gone_in_0_4():
+    # LossScaling.of, .decide and .check_state warned for one release (0.3).
     scaling = jls.LossScaling(optax.sgd(0.5), jls.static_scale(2.0))
-    tx = scaling.gradient_transformation()
-    state = tx.init(PARAMS)
-    with pytest.warns(DeprecationWarning, match="LossScaling.of"):
-        assert jls.LossScaling.of(tx) is scaling
-    with pytest.warns(DeprecationWarning, match="LossScaling.decide"):
-        decision = scaling.decide({"w": jnp.ones(3)}, state.loss_scale)
-    assert bool(decision.finite) and bool(decision.apply)
-    with pytest.warns(DeprecationWarning, match="LossScaling.check_state"):
-        assert scaling.check_state(state).loss_scale.scale == 2.0
-    with pytest.warns(DeprecationWarning, match="replace_loss_scale_state"):
-        new = jls.replace_loss_scale_state(state, jls.static_scale(8.0).init())
-    assert float(jls.metrics(new)["loss_scale"]) == 8.0
-    with pytest.warns(DeprecationWarning, match="jls.StepOutput"):
-        assert jls.StepOutput._fields[0] == "loss"
+    for name in ("of", "decide", "check_state", "_step", "_decide", "_of"):
+        assert not hasattr(scaling, name), name
+
+
+def test_jls_0_3s_deprecated_names_are_gone_in_0_4():
+    for name in ("replace_loss_scale_state", "StepOutput"):
+        with pytest.raises(AttributeError, match=name):
+            getattr(jls, name)
+
+
+@pytest.mark.parametrize("name", sorted(jls._MOVED))
+def test_names_moved_into_a_namespace_warn_and_still_work(name):
+    place = getattr(jls, jls._MOVED[name])
+    with pytest.warns(DeprecationWarning, match=f"jls.{name} moved to jls\\."):
+        assert getattr(jls, name) is getattr(place, name)

@@ -148,7 +148,7 @@ def mindspore(
     consecutive overflows (more than ``bad_step_max``); for the same error
     make the transformation with
     ``jls.loss_scaling(..., max_consecutive_skips=1001)`` and call
-    ``jls.raise_if_diverged(opt_state)``.
+    ``jls.hooks.raise_if_diverged(opt_state)``.
 
     Example:
       >>> import jls

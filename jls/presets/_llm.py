@@ -85,7 +85,7 @@ def deepspeed(
     (the argument is validated and otherwise unused). jls keeps skipping at
     ``min_scale``; to stop the run, use
     ``jls.loss_scaling(..., max_consecutive_skips=n)`` with
-    ``jls.raise_if_diverged`` (on the host, or inside ``jit`` under checkify). The
+    ``jls.hooks.raise_if_diverged`` (on the host, or inside ``jit`` under checkify). The
     scale is a float64 Python number in DeepSpeed (see the module notes).
 
     Example:

@@ -6,6 +6,8 @@ commit f79a7f6, the last with jls 0.3's state layout; also wrote
 how the fixture was made: run on a later jls it writes that jls's layout.
 """
 
+# pyright: reportCallIssue=false, reportArgumentType=false
+
 import jax
 import jax.numpy as jnp
 import numpy as np

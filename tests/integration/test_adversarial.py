@@ -256,7 +256,7 @@ def test_4_retries_are_not_counted_as_skips():
     assert int(m["total_skips"]) == 0 and int(m["consecutive_skips"]) == 0
     assert int(1 - jls.metrics(state)["total_skips"]) == 1
     assert not bool(m["diverged"])
-    jls.raise_if_diverged(state)  # one bad batch is not a divergence
+    jls.hooks.raise_if_diverged(state)  # one bad batch is not a divergence
 
 
 @pytest.mark.parametrize(
@@ -321,7 +321,7 @@ def test_5_no_divergence_on_finite_steps_under_vmap():
     step = jax.jit(jax.vmap(lambda p, s, g: jls.apply_gradients(tx, g, s, p)))
     for _ in range(5):
         params, states = step(params, states, jnp.ones((4, 2)))
-    jls.raise_if_diverged(states)
+    jls.hooks.raise_if_diverged(states)
     assert not np.any(np.asarray(jls.metrics(states)["diverged"]))
 
 
@@ -336,8 +336,8 @@ def test_5_vmap_member_that_diverges_raises_catchable_error():
     np.testing.assert_array_equal(
         jls.metrics(states)["diverged"], [False, False, True, False]
     )
-    with pytest.raises(jls.DivergenceError, match="3 consecutive skipped steps"):
-        jls.raise_if_diverged(states)
+    with pytest.raises(jls.hooks.DivergenceError, match="3 consecutive skipped steps"):
+        jls.hooks.raise_if_diverged(states)
 
 
 def test_5_a_breach_inside_scan_is_not_lost_by_a_later_recovery():
@@ -354,8 +354,8 @@ def test_5_a_breach_inside_scan_is_not_lost_by_a_later_recovery():
 
     params, state = run(jnp.zeros(2), tx.init(jnp.zeros(2)))
     assert int(jls.metrics(state)["consecutive_skips"]) == 0
-    with pytest.raises(jls.DivergenceError):
-        jls.raise_if_diverged(state)
+    with pytest.raises(jls.hooks.DivergenceError):
+        jls.hooks.raise_if_diverged(state)
 
 
 def test_5_pmap_and_checkify():
@@ -367,12 +367,12 @@ def test_5_pmap_and_checkify():
     states = jax.pmap(tx.init)(params)
     step = jax.pmap(lambda p, s, g: jls.apply_gradients(tx, g, s, p))
     params, states = step(params, states, jnp.full((n, 2), jnp.nan))
-    with pytest.raises(jls.DivergenceError):
-        jls.raise_if_diverged(states)
+    with pytest.raises(jls.hooks.DivergenceError):
+        jls.hooks.raise_if_diverged(states)
 
     def checked(p, s, g):
         p, s = jls.apply_gradients(tx, g, s, p)
-        jls.raise_if_diverged(s)
+        jls.hooks.raise_if_diverged(s)
         return p, s
 
     f = jax.jit(checkify.checkify(jax.vmap(checked)))
@@ -387,8 +387,8 @@ def test_5_raise_if_diverged_needs_a_limit():
     tx = jls.loss_scaling(optax.sgd(0.1), max_consecutive_skips=None)
     state = tx.init(jnp.zeros(2))
     with pytest.raises(ValueError, match="max_consecutive_skips"):
-        jls.raise_if_diverged(state)
-    jls.raise_if_diverged(state, 3)
+        jls.hooks.raise_if_diverged(state)
+    jls.hooks.raise_if_diverged(state, 3)
 
 
 # 6. Accumulation has no false positives ----------------------------------

@@ -26,6 +26,8 @@ SOURCES = sorted((ROOT / "docs").glob("api*.md")) + sorted(
 
 PUBLIC = [
     *(f"jls.{name}" for name in jls.__all__),
+    *(f"jls.hooks.{name}" for name in jls.hooks.__all__),
+    *(f"jls.precision.{name}" for name in jls.precision.__all__),
     *(f"jls.presets.{name}" for name in presets.__all__),
     "jls.flax.Optimizer",
     "jls.flax.TrainState",

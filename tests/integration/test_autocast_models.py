@@ -1,4 +1,4 @@
-"""`jls.autocast` (and `Policy.wrap`) on real models: linen, nnx, equinox.
+"""`jls.precision.autocast` (and `Policy.wrap`) on real models: linen, nnx, equinox.
 
 The first test is the trap issue 33 found: a float32 linen MLP converted to
 float16 the README's way, ``@policy.wrap`` around the whole loss. With
@@ -22,7 +22,7 @@ from flax import nnx
 
 import jls
 
-POLICY = jls.get_policy("params=float32,compute=float16,output=float32")
+POLICY = jls.precision.get_policy("params=float32,compute=float16,output=float32")
 F16 = jnp.float16
 X = jax.random.normal(jax.random.key(1), (256, 32))
 Y = jax.random.randint(jax.random.key(2), (256,), 0, 10)
@@ -67,7 +67,7 @@ def test_the_readme_pattern_gives_a_float32_accurate_loss_on_a_linen_mlp():
     exact = float(float32_loss(params, X, Y))
     assert exact < 2e-3  # trained to a small loss, where float16 loses it
     assert abs(logged - exact) <= 0.01 * exact, (logged, exact)
-    report = jls.precision_report(jax.grad(compute_loss), params, X, Y)
+    report = jls.precision.precision_report(jax.grad(compute_loss), params, X, Y)
     report.check(F16)  # forward and backward
     assert all(set(by) == {"float32"} for by in report.numerics.values()), report
 
@@ -100,7 +100,7 @@ def test_linen_with_mutable_batch_stats():
     chex.assert_trees_all_close(got_stats, want_stats, atol=1e-3, rtol=1e-2)
     chex.assert_trees_all_equal_dtypes(got_stats, want_stats)  # float32 kept
     grad = jax.grad(cast, has_aux=True)
-    jls.precision_report(grad, *args).check(F16)
+    jls.precision.precision_report(grad, *args).check(F16)
 
 
 class NnxNet(nnx.Module):
@@ -149,7 +149,7 @@ def test_nnx_under_nnx_jit_and_grad_trains_in_float16():
 
     losses = [float(step(model, optimizer, X, Y)) for _ in range(5)]
     assert losses[-1] < losses[0]
-    jls.precision_report(nnx.grad(loss_fn), model, X, Y).check(F16)
+    jls.precision.precision_report(nnx.grad(loss_fn), model, X, Y).check(F16)
 
 
 class EqxNet(eqx.Module):
@@ -194,7 +194,7 @@ def test_equinox_with_state_and_non_array_leaves():
     assert {g.dtype for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array))} == {
         jnp.dtype(jnp.float32)
     }
-    report = jls.precision_report(
+    report = jls.precision.precision_report(
         eqx.filter_grad(cast, has_aux=True), model, state, X, Y
     )
     report.check(F16)
@@ -220,6 +220,6 @@ def test_losses_and_their_derivatives_stay_float32_accurate(head):
     want = jax.value_and_grad(loss)(w, X, Y)
     # float16 matmuls, forward and backward: float16's rounding, no more.
     chex.assert_trees_all_close(got, want, rtol=1e-2, atol=1e-3)
-    report = jls.precision_report(jax.grad(POLICY.wrap(loss)), w, X, Y)
+    report = jls.precision.precision_report(jax.grad(POLICY.wrap(loss)), w, X, Y)
     report.check(F16)
     assert all(set(by) == {"float32"} for by in report.numerics.values()), report

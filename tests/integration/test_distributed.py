@@ -20,7 +20,7 @@ import pytest
 from flax import serialization
 
 import jls
-from jls._hooks import WrapperState
+from jls import LossScalingState
 
 DIST = pathlib.Path(__file__).parent / "scripts"
 ROOT = pathlib.Path(__file__).parents[2]
@@ -147,7 +147,7 @@ def test_flax_serialization_round_trip():
     data = serialization.to_bytes(state)
     restored = serialization.from_bytes(tx.init(params), data)
     chex.assert_trees_all_equal(restored, state, strict=True)
-    assert isinstance(restored, WrapperState)
+    assert isinstance(restored, LossScalingState)
     assert float(jls.metrics(restored)["loss_scale"]) == 512.0
 
 

@@ -193,7 +193,9 @@ def test_the_quickstart_prints_what_it_says():
     policy, params = ns["policy"], ns["params"]
     assert policy.compute_dtype == jnp.float16
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
-    jls.precision_report(ns["compute_loss"], params, ns["batch"]).check(jnp.float16)
+    jls.precision.precision_report(ns["compute_loss"], params, ns["batch"]).check(
+        jnp.float16
+    )
 
 
 def test_the_quickstarts_agree():
@@ -256,7 +258,7 @@ def test_the_equinox_cell_computes_in_float16():
     ns, _ = run("howto/equinox.md", until="model, opt_state = step(")
     # The page's own step, traced: every matmul of the forward and backward
     # pass in float16.
-    report = jls.precision_report(
+    report = jls.precision.precision_report(
         ns["step"], ns["model"], ns["opt_state"], ns["x"], ns["y"]
     )
     report.check(jnp.float16)
@@ -321,14 +323,14 @@ def test_the_spike_cell_has_the_metrics_it_names():
     ns, _ = run("howto/spikes.md")
     m = ns["m"]
     named = re.findall(
-        r'm\["(\w+)"\]', cell("howto/spikes.md", "skip_spikes=jls.SpikeRule")
+        r'm\["(\w+)"\]', cell("howto/spikes.md", "skip_spikes=jls.hooks.SpikeRule")
     )
     assert {"gradient_norm", "spike", "total_spikes"} <= set(named)
     for key in named:
         assert key in m, key
     assert float(m["gradient_norm"]) > 0
     # The page's numbers: SpikeRule's documented defaults.
-    rule = jls.SpikeRule()
+    rule = jls.hooks.SpikeRule()
     assert (rule.threshold, rule.warmup, rule.window, rule.watch, rule.patience) == (
         6.0,
         100,

@@ -5,8 +5,8 @@ import runpy
 import subprocess
 import sys
 
-import pytest
 import numpy as np
+import pytest
 
 EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "train_fp16.py"
 

@@ -186,7 +186,7 @@ def test_metrics_of_an_nnx_optimizer_are_plain_arrays():
         gradient_norm=True,
         diagnostics=True,
         max_consecutive_skips=3,
-        skip_spikes=jls.SpikeRule(),
+        skip_spikes=jls.hooks.SpikeRule(),
     )
     optimizer = jls.flax.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -201,7 +201,7 @@ def test_metrics_of_an_nnx_optimizer_are_plain_arrays():
     assert isinstance(m["nonfinite_leaves"], dict)
     assert bool(m["skipped"]) and not bool(m["spike"]) and not bool(m["diverged"])
     assert f"{m['gradient_norm']:.3f}" == "inf"
-    assert jls.nonfinite_paths(optimizer.opt_state) == ["['bias']", "['kernel']"]
+    assert jls.hooks.nonfinite_paths(optimizer.opt_state) == ["['bias']", "['kernel']"]
 
 
 # A skipped step changes nothing: BatchNorm statistics an overflowing forward

@@ -267,7 +267,7 @@ def _whole_gradient_reductions(text: str) -> int:
         {},
         {"scaler": jls.measured_scale()},
         {"gradient_norm": True},
-        {"skip_spikes": jls.SpikeRule()},
+        {"skip_spikes": jls.hooks.SpikeRule()},
     ],
     ids=["dynamic", "measured", "gradient_norm", "skip_spikes"],
 )

@@ -75,7 +75,9 @@ def test_the_quickstart_prints_what_it_says():
     policy, params = ns["policy"], ns["params"]
     assert policy.compute_dtype == jnp.float16
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
-    jls.precision_report(ns["compute_loss"], params, ns["batch"]).check(jnp.float16)
+    jls.precision.precision_report(ns["compute_loss"], params, ns["batch"]).check(
+        jnp.float16
+    )
 
 
 def test_the_readme_is_a_landing_page():

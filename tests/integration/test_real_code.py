@@ -1,7 +1,7 @@
 """Three real-code examples, in the style of their frameworks, truly in float16.
 
 Each trains briefly in float16 with jls and in float32, compares the losses,
-and asserts with `jls.precision_report` that every matmul of the float16
+and asserts with `jls.precision.precision_report` that every matmul of the float16
 train step (forward and backward) computes in float16.
 """
 
@@ -40,13 +40,14 @@ def test_equinox_gru_trains_in_float16():
     tx = jls.loss_scaling(optax.adam(1e-2))
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     step = gru["make_step"]("float16", tx)
-    report = jls.precision_report(step, model, opt_state, xs, ys)
+    report = jls.precision.precision_report(step, model, opt_state, xs, ys)
     report.check(jnp.float16)
     assert sum(report.counts.values()) >= 6  # the GRU's and the head's, both ways
     # A float32 carry (jnp.zeros without a dtype) would have promoted them.
     f32_step = gru["make_step"]("float32", tx)
     assert (
-        "float16" not in jls.precision_report(f32_step, model, opt_state, xs, ys).counts
+        "float16"
+        not in jls.precision.precision_report(f32_step, model, opt_state, xs, ys).counts
     )
 
 
@@ -59,7 +60,7 @@ def test_nnx_batchnorm_and_dropout_train_in_float16():
     model, optimizer = ex["build"](jnp.float16, 0)
     x, y = ex["make_data"](0)
     ex["train_step"](model, optimizer, x, y)
-    report = jls.precision_report(ex["train_step"], model, optimizer, x, y)
+    report = jls.precision.precision_report(ex["train_step"], model, optimizer, x, y)
     report.check(jnp.float16)
     # The state the forward pass updates lands on the caller's model: the
     # running statistics move, and Dropout draws a new mask each step.
@@ -78,7 +79,7 @@ def test_linen_seq2seq_under_scan_trains_in_float16():
     assert abs(f16["final_loss"] - f32["final_loss"]) < 0.1
     state = ex["build"](jnp.float16, 0)
     tokens, targets = ex["make_data"](0, 8, 6)
-    report = jls.precision_report(ex["train_step"], state, tokens, targets)
+    report = jls.precision.precision_report(ex["train_step"], state, tokens, targets)
     report.check(jnp.float16)
     assert sum(report.counts.values()) >= 10  # two LSTMs under scan, a head
 
@@ -98,7 +99,7 @@ def test_help_shows_the_defaults(name):
 def test_the_policy_refuses_what_would_lose_nnx_state():
     ex = _example("nnx_batchnorm")
     model, _ = ex["build"](jnp.float32, 0)
-    policy = jls.get_policy("params=float32,compute=float16,output=float32")
+    policy = jls.precision.get_policy("params=float32,compute=float16,output=float32")
     with pytest.raises(TypeError, match="dtype=jnp.float16"):
         policy.cast_arguments(lambda m, x: m(x))(model, jnp.ones((2, 8)))
     assert isinstance(model, nnx.Module)

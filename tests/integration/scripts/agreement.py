@@ -135,7 +135,7 @@ report["unnamed"] = agree
 
 # 4. A spike rule watching the loss with axis_name: each replica passes its own
 # loss; the statistics are fed the replicas' mean, so the states stay equal.
-rule = jls.SpikeRule(watch="loss", warmup=3, threshold=3.0)
+rule = jls.hooks.SpikeRule(watch="loss", warmup=3, threshold=3.0)
 tx = jls.loss_scaling(optax.sgd(0.01), jls.no_scale(), skip_spikes=rule, axis_name="r")
 p = {"w": jnp.ones(2)}
 state = jax.tree.map(lambda x: jnp.stack([x] * N), tx.init(p))

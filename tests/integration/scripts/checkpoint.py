@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jls
-from jls._hooks import WrapperState
+from jls import LossScalingState
 
 mode, root = sys.argv[1], sys.argv[2]
 sharded = "--sharded" in sys.argv
@@ -93,7 +93,7 @@ elif mode == "resume":
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(ckpt_dir, target)
     state = (restored["params"], restored["opt_state"])
-    assert isinstance(state[1], WrapperState), type(state[1])
+    assert isinstance(state[1], LossScalingState), type(state[1])
     if sharded:
         assert state[0]["w"].sharding.spec == P(None, "dp"), state[0]["w"].sharding
     dump(os.path.join(root, "resumed.npz"), run(*state, range(HALF, STEPS)))

@@ -37,7 +37,7 @@ report["norm"] = [float(jls.metrics(new)["gradient_norm"]), true]
 
 # Data parallel under pmap: each replica watches its own loss; a spike on one
 # is a skip on both.
-rule = jls.SpikeRule(watch="loss", warmup=3, threshold=3.0)
+rule = jls.hooks.SpikeRule(watch="loss", warmup=3, threshold=3.0)
 tx = jls.loss_scaling(optax.sgd(0.01), jls.no_scale(), skip_spikes=rule, axis_name="r")
 params = {"w": jnp.ones(2)}
 state = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(params))

@@ -7,6 +7,8 @@ rule, the fused path), and prints, for each, the all-reduces of its HLO (the
 shape of each) and the number of all-gathers.
 """
 
+# pyright: reportMissingImports=false
+
 import json
 import pathlib
 import re
@@ -57,7 +59,7 @@ def collectives(tx, plain):
         return jls.apply_gradients(tx, g, s, p)
 
     args = (place(params, specs), place(state, state_specs), *batch)
-    hlo = jax.jit(step).lower(*args).compile().as_text()
+    hlo = jax.jit(step).lower(*args).compile().as_text() or ""
     return {
         "all_reduce": re.findall(r"= (.+?) all-reduce(?:-start)?\(", hlo),
         "all_gather": len(re.findall(r" all-gather(?:-start)?\(", hlo)),

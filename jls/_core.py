@@ -1,0 +1,291 @@
+"""The step: a few pure functions over a frozen configuration.
+
+One loss-scaled step, inside ``jit``, for every entry point (``tx.update``,
+`jls.apply_gradients`, `jls.train_step`, ``jls.flax``):
+
+1. `validate`, `prepare`: the state is validated once (its type, its hooks,
+   its scale and counters), the composition checked (a loss scaled with
+   another optimizer's state, masked leaves, float16 without a scale), and
+   the loss taken out of the inner optimizer's arguments for the hooks that
+   read it.
+2. `jls._decision.decide`: one read of the scaled gradients decides whether
+   the unscaled ones are all finite (and measures their range and norm if
+   the rule or a hook needs them); every replica agrees.
+3. `finish`: the hooks' vetoes and gradient factors, the skip (`jls._cond`:
+   the applying computation unscales the gradients with one multiplication
+   that XLA fuses into the optimizer's update, runs the inner optimizer and,
+   on the fused path, adds the updates; a skipped step leaves every leaf as
+   it was), the scale rule, and each hook's record.
+
+`step` chains them: the documented internal entry point. `jls.train_step`
+calls them itself, `decide` once per attempt (its retries). With
+``jls.no_scale(skip_nonfinite=False)`` nothing is checked: the step is the
+inner optimizer's own (`jls._off`).
+
+How the skip was chosen (``benchmarks/bench_step.py``, ``bench_skip.py``,
+the figures in ``docs/performance.md``): unscaling before the decision
+materialises a second gradient tree, a division in the branch is not
+duplicated into Adam's two uses of the gradient, a multiplication is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jls import _cond
+from jls._composition import check_not_masked
+from jls._config import Config
+from jls._decision import (
+    Decision,
+    agree,
+    decide,
+    gradient_factor,
+    loss_for_hooks,
+    same_on_replicas,
+    vetoes,
+)
+from jls._hooks import LossScalingState, StepInfo
+from jls._off import off_step, warn_float16
+from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
+from jls._state import LossScaleState, check_state
+from jls._tree import holds, merge, split_frozen, split_inexact
+
+
+class Prepared(NamedTuple):
+    """A step's validated inputs (`prepare`).
+
+    Attributes:
+      state: the transformation's state, validated (boxed leaves unwrapped).
+      loss: the loss the hooks read (float32, the replicas' mean), or ``None``.
+      extra_args: the inner optimizer's extra arguments, ``loss`` taken out
+        where a hook reads it.
+    """
+
+    state: LossScalingState
+    loss: jax.Array | None
+    extra_args: dict[str, Any]
+
+
+class Split(NamedTuple):
+    """The parameters of a fused step, split once (`split`).
+
+    Attributes:
+      trained: the floating parameters whose gradient is not ``None``.
+      frozen: those whose gradient is ``None`` (not trained).
+      rest: every other leaf (functions, numbers, integer arrays).
+    """
+
+    trained: Any
+    frozen: Any
+    rest: Any
+
+
+def split(params: Any, grads: Any) -> Split:
+    """``params`` (a whole model too) split into what a fused step trains."""
+    floating, rest = split_inexact(params)
+    trained, frozen = split_frozen(floating, grads)
+    return Split(trained, frozen, rest)
+
+
+def validate(config: Config, opt_state: Any, params: Any) -> LossScalingState:
+    """The step's state, validated once (boxed ``nnx`` leaves unwrapped).
+
+    Raises:
+      TypeError: at trace time, for a state this transformation did not
+        make, or ``params`` and ``opt_state`` swapped.
+    """
+    _check_order(opt_state, params)
+    return _validated(config, opt_state)
+
+
+def prepare(
+    config: Config,
+    grads: Any,
+    state: LossScalingState,
+    extra_args: dict[str, Any],
+    *,
+    stacklevel: int = 5,
+) -> Prepared:
+    """The composition checked and the loss taken, for a `validate`-d state.
+
+    Raises:
+      TypeError: at trace time, for masked gradients, or a ``loss=`` a hook
+        needs and the step was not given.
+    """
+    check_not_masked(grads, "gradients")
+    if config.scaler.is_identity:  # scale 1: any pairing is right
+        warn_float16(grads, off=config.off)
+    else:
+        check_scaled_with(state.loss_scale.scale, stacklevel=stacklevel)
+    loss, args = loss_for_hooks(config, extra_args)
+    return Prepared(state, loss, args)
+
+
+def step(
+    config: Config,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+    *,
+    fused: bool,
+    also_finite: Any = None,
+) -> tuple[Any, LossScalingState]:
+    """``tx.update`` (``fused=False``: the updates) or the fused step (the params).
+
+    ``also_finite``: values checked with the gradients, neither unscaled nor
+    measured (flax's fp8 scales and amax histories).
+    """
+    state = validate(config, opt_state, params)
+    prepared = prepare(config, grads, state, extra_args)
+    parts = split(params, grads) if fused else None
+    trained = parts.trained if parts is not None else params
+    decision = None
+    if not config.off:  # the off switch checks nothing
+        decision = decide(config, grads, state.loss_scale, also_finite=also_finite)
+    out, state = finish(config, grads, prepared, trained, decision, fused=fused)
+    if parts is not None:
+        out = merge(merge(out, parts.frozen), parts.rest)
+    return out, state
+
+
+def finish(
+    config: Config,
+    grads: Any,
+    prepared: Prepared,
+    params: Any,
+    decision: Decision | None,
+    *,
+    fused: bool,
+    retries: jax.Array | None = None,
+) -> tuple[Any, LossScalingState]:
+    """The step after its decision: vetoes, the skip, the scale rule, the records.
+
+    ``params``: on the fused path, the trained parameters (`split`); their
+    new values are returned. ``retries``: the attempts `jls.train_step` made.
+    With the off switch (``decision`` may be ``None``) the inner optimizer's
+    own step.
+    """
+    state, loss, args = prepared
+    if config.off:
+        return off_step(config.inner, grads, state, params, args, fused, loss)
+    assert decision is not None
+    info = StepInfo(
+        grads=grads,
+        scale=state.loss_scale.scale,
+        finite=decision.finite,
+        norm=decision.norm,
+        loss=loss,
+        applied=None,
+        loss_scale=None,
+        any_replica=lambda flags: agree(config, flags, lax.pmax),
+        same_on_replicas=lambda values, axes=None: same_on_replicas(
+            config, values, axes
+        ),
+        axis_name=config.axis_name,
+    )
+    vetoed, held = vetoes(config, state.hooks, info, decision.apply)
+    apply = decision.apply
+    for v in vetoed.values():
+        apply = apply & ~v
+    # Computed once, before the skip (not once per fusion that reads one).
+    factors = {}
+    if not config.scaler.is_identity:
+        two = config.scaler.two_factor
+        factors = reciprocals(state.loss_scale.scale, grads, two_factor=two)
+    shrink = gradient_factor(config, state.hooks, info)
+
+    def taken(operands):
+        grads, inner_state, params = operands
+        if factors or shrink is not None:  # no factors: the scale is 1 forever
+            grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
+        updates, inner_state = config.inner.update(grads, inner_state, params, **args)
+        if fused:
+            return optax.apply_updates(params, updates), inner_state
+        return updates, inner_state
+
+    def skipped(operands, out):
+        grads, inner_state, params = operands
+        if fused:
+            return _cond.cast_like((params, inner_state), out)
+        zeros = _cond.zeros_like(out[0], grads, params)
+        return zeros, _cond.cast_like(inner_state, out[1])
+
+    # With skip_nonfinite and no veto, finite == applied: a constant in each
+    # branch, so the scale rule folds.
+    known = config.scaler.skip_nonfinite and not vetoed
+    scaler, old = config.scaler, state.loss_scale
+
+    def adjusted(applied: Any) -> LossScaleState:
+        # ``applied``: a Python bool in a branch of the conditional, else the
+        # traced decision.
+        new = scaler.adjust(
+            old,
+            jnp.asarray(applied) if known else decision.finite,
+            applied=jnp.asarray(applied),
+            magnitude=decision.magnitude,
+            retries=retries,
+        )
+        if held is None or applied is True:
+            return new
+        kept = scaler.hold(old, decision.finite)
+        hold = held if applied is False else held & ~applied
+        return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
+
+    skip = _cond.guarded if config.donated else _cond.selected
+    (out, inner_state), loss_scale = skip(
+        apply, taken, skipped, (grads, state.inner_state, params), adjusted
+    )
+    after = info._replace(applied=apply, loss_scale=loss_scale)
+    no_veto = jnp.asarray(False)
+    hooks = {
+        h.name: h.update(state.hooks[h.name], after, vetoed.get(h.name, no_veto))
+        for h in config.hooks
+    }
+    return out, LossScalingState(loss_scale, inner_state, hooks)
+
+
+def _validated(config: Config, opt_state: Any) -> LossScalingState:
+    """``opt_state`` if it is a state this configuration's ``init`` made.
+
+    Checked at trace time; boxed leaves (flax ``nnx``) are unwrapped.
+    """
+    if not isinstance(opt_state, LossScalingState):
+        hint = ""
+        if holds(opt_state, LossScalingState):
+            hint = (
+                ": it holds one, inside other states (optax.chain?). Put "
+                "every transformation inside loss_scaling, e.g. "
+                "jls.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
+                "optax.adam(1e-3))), and pass its state"
+            )
+        raise TypeError(
+            "opt_state must be the state made by this transformation's init "
+            f"(tx.init(params)), got {type(opt_state).__name__}{hint}"
+        )
+    hooks = opt_state.hooks
+    missing = [h.name for h in config.hooks if h.name not in hooks]
+    if missing or not isinstance(hooks, dict):
+        raise TypeError(
+            f"opt_state has no state for the hooks {missing}: it was not made "
+            "by this transformation's init (a transformation made with other "
+            "options, such as diagnostics=, gradient_norm=, skip_spikes=)"
+        )
+    loss_scale = check_state(opt_state.loss_scale, argname="opt_state.loss_scale")
+    return opt_state._replace(loss_scale=loss_scale)
+
+
+def _check_order(opt_state: Any, params: Any) -> None:
+    """Refuses ``params`` and ``opt_state`` passed the wrong way round."""
+    if isinstance(params, LossScalingState) and not isinstance(
+        opt_state, LossScalingState
+    ):
+        raise TypeError(
+            "params is this transformation's state and opt_state is not: they "
+            "are swapped. Call apply_gradients(tx, grads, opt_state, params)"
+        )

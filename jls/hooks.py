@@ -1,0 +1,96 @@
+"""Hooks: every optional feature of a loss-scaled step, and the seam for yours.
+
+A hook is consulted by every step of a `jls.loss_scaling` transformation:
+it may veto the step, shrink its gradients, and record what it keeps in the
+state. Pass hooks as ``jls.loss_scaling(inner, hooks=(...))``; the keyword
+options of `jls.loss_scaling` (``gradient_norm=True``, ``skip_spikes=``,
+...) are the built-in hooks below. Each hook's state is a NamedTuple whose
+``metrics()`` `jls.metrics` reports; `builtin_metrics` lists them, from the
+code.
+
+Example:
+  >>> import jax.numpy as jnp, optax, jls
+  >>> tx = jls.loss_scaling(
+  ...     optax.sgd(0.1), jls.no_scale(), hooks=(jls.hooks.GradientNorm(),)
+  ... )
+  >>> params = {"w": jnp.ones(4)}
+  >>> _, state = tx.update({"w": jnp.full(4, 0.5)}, tx.init(params), params)
+  >>> float(jls.metrics(state)["gradient_norm"])
+  1.0
+"""
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from jls._diagnostics import Diagnostics, DiagnosticsState, nonfinite_paths
+from jls._divergence import (
+    DIVERGENCE_LIMIT,
+    Divergence,
+    DivergenceError,
+    DivergenceState,
+    raise_if_diverged,
+)
+from jls._hooks import Hook, HookContext, StepInfo
+from jls._nonfinite_loss import NonfiniteLoss, NonfiniteLossState
+from jls._norm import GradientNorm, GradientNormState
+from jls._replicas import ReplicaCheck, ReplicaCheckState
+from jls._scale_stats import ScaleStats, ScaleStatsState
+from jls._spikes import SpikeRule, SpikeState
+
+# Every built-in hook, with the keyword of jls.loss_scaling that adds it.
+_BUILTIN: dict[type[Hook], str] = {
+    NonfiniteLoss: "(always)",
+    Divergence: "max_consecutive_skips=",
+    Diagnostics: "diagnostics=True",
+    GradientNorm: "gradient_norm=True",
+    SpikeRule: "skip_spikes=",
+    ReplicaCheck: "check_replicas=",
+    ScaleStats: "scale_stats=",
+}
+
+
+def builtin_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """``(class, state name, keyword, metric keys)`` of every built-in hook.
+
+    Read from the hooks themselves (each one made with its defaults and
+    initialised on a one-leaf tree), so the documentation's table cannot
+    drift from the code.
+
+    Example:
+      >>> import jls
+      >>> rows = {row[0]: row[3] for row in jls.hooks.builtin_metrics()}
+      >>> rows["GradientNorm"]
+      ('gradient_norm',)
+    """
+    rows = []
+    for cls, keyword in _BUILTIN.items():
+        hook: Any = cls(DIVERGENCE_LIMIT) if cls is Divergence else cls()
+        keys = tuple(hook.init({"w": jnp.zeros(2)}).metrics())
+        rows.append((cls.__name__, hook.name, keyword, keys))
+    return rows
+
+
+__all__ = [
+    "Diagnostics",
+    "DiagnosticsState",
+    "Divergence",
+    "DivergenceError",
+    "DivergenceState",
+    "GradientNorm",
+    "GradientNormState",
+    "Hook",
+    "HookContext",
+    "NonfiniteLoss",
+    "NonfiniteLossState",
+    "ReplicaCheck",
+    "ReplicaCheckState",
+    "ScaleStats",
+    "ScaleStatsState",
+    "SpikeRule",
+    "SpikeState",
+    "StepInfo",
+    "builtin_metrics",
+    "nonfinite_paths",
+    "raise_if_diverged",
+]

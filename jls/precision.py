@@ -1,0 +1,32 @@
+"""Precision: what computes in which dtype, and parameters without a float32 copy.
+
+Loss scaling keeps float16 gradients in range; these decide what runs in
+float16 at all. `autocast` (and `Policy.wrap`, a jmp-compatible policy)
+runs the matmuls in half precision and the ops that need range in float32;
+`precision_report` shows which dtype every matmul, range-sensitive op and
+collective of a function really computes in; `compensated` and
+`stochastic_rounding` keep low-precision parameters moving without a
+float32 master copy.
+
+Example:
+  >>> import jax.numpy as jnp, jls
+  >>> policy = jls.precision.get_policy("params=float32,compute=float16")
+  >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+  >>> jls.precision.precision_report(policy.wrap(lambda w, x: x @ w), w, x).counts
+  {'float16': 1}
+"""
+
+from jls._autocast import autocast
+from jls._compensated import compensated, stochastic_rounding
+from jls._policy import Policy, get_policy
+from jls._precision import PrecisionReport, precision_report
+
+__all__ = [
+    "Policy",
+    "PrecisionReport",
+    "autocast",
+    "compensated",
+    "get_policy",
+    "precision_report",
+    "stochastic_rounding",
+]
