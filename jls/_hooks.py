@@ -53,6 +53,13 @@ class LossScalingState(NamedTuple):
         skipped step.
       hooks: each hook's state, by the hook's name; a built-in hook's state
         is a NamedTuple whose ``metrics()`` `jls.metrics` reports.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jls
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(8.0))
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> isinstance(state, jls.LossScalingState), float(state.loss_scale.scale)
+      (True, 8.0)
     """
 
     loss_scale: LossScaleState
