@@ -372,11 +372,17 @@ def main(argv=None) -> None:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", choices=["lm", "mlp", "char", "all"], default="all")
+    parser.add_argument(
+        "--model", choices=["lm", "mlp", "char", "all"], default="all", help="model"
+    )
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
-    parser.add_argument("--steps-per-sample", type=int, default=2)
-    parser.add_argument("--forms", nargs="*", default=list(FORMS), choices=list(FORMS))
-    parser.add_argument("--paths", nargs="*", default=["fused", "update"])
+    parser.add_argument("--steps-per-sample", type=int, default=2, help="steps")
+    parser.add_argument(
+        "--forms", nargs="*", default=list(FORMS), choices=list(FORMS), help="forms"
+    )
+    parser.add_argument(
+        "--paths", nargs="*", default=["fused", "update"], help="jls paths"
+    )
     parser.add_argument("--proxies", action="store_true", help="no timing")
     parser.add_argument(
         "--compile", type=int, default=0, help="time trace+compile instead, N rounds"
