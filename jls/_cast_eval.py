@@ -41,6 +41,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from jls._compat import bind
 from jls._primitives import CAST, FLOAT32
 
 _F32 = np.dtype(np.float32)
@@ -103,17 +104,6 @@ def _as_traced(eqn: Any, invals: Sequence[Any]) -> list:
     ]
 
 
-def _bind(eqn: Any, invals: Sequence[Any], params: dict | None = None) -> list:
-    # As jax's own evaluation binds an equation: get_bind_params turns a
-    # program parameter into the function bind takes (jax 0.8 returns it
-    # apart, 0.9 on inside the parameters).
-    bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *invals, **bound)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
     """Operands traced in one dtype brought to one dtype again (the widest)."""
     groups: dict[np.dtype, list[int]] = {}
@@ -151,26 +141,26 @@ def _apply(eqn: Any, invals: list, dtype: Any) -> list:
     if name in CAST:
         return _matmul(eqn, invals, dtype)
     if any(_holds_program(v) for v in eqn.params.values()):
-        return _bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, _as_traced(eqn, invals))
     square = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x
     floor = _F32 if name in FLOAT32 or square else None
     try:
-        return _bind(eqn, _promote(eqn, invals, floor))
+        return bind(eqn, _promote(eqn, invals, floor))
     except (TypeError, ValueError):  # an op that takes only its traced dtypes
-        return _bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, _as_traced(eqn, invals))
 
 
 def _matmul(eqn: Any, invals: list, dtype: Any) -> list:
     a, b = (v.aval.dtype for v in eqn.invars[:2])
     if not (_floating(a) and _floating(b)):  # an integer (quantised) matmul
-        return _bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, _as_traced(eqn, invals))
     operands = zip(invals[:2], eqn.invars[:2], strict=True)
     invals = [_cast(x, v.aval, dtype) for x, v in operands] + list(invals[2:])
     params = dict(eqn.params)
     preferred = params.get("preferred_element_type")
     if preferred is not None and np.dtype(preferred) == jnp.promote_types(a, b):
         params["preferred_element_type"] = None  # it restated the operands' dtype
-    return _bind(eqn, invals, params)
+    return bind(eqn, invals, params)
 
 
 def _run(closed: Any, dtype: Any, keep: Sequence[Any] | None = None) -> Callable:

@@ -77,3 +77,18 @@ def weakly_typed(x: jax.Array) -> jax.Array:
     except ImportError:  # pragma: no cover - a jax without it: one retrace
         return x
     return cast(jax.Array, _convert_element_type(x, weak_type=True))
+
+
+def bind(eqn: Any, invals: Any, params: dict | None = None) -> list:
+    """One equation of a jaxpr bound again on ``invals``: its outputs, a list.
+
+    As jax's own evaluation binds an equation: ``get_bind_params`` turns a
+    program parameter into the function ``bind`` takes (jax 0.8 returns it
+    apart, 0.9 on inside the parameters). ``params``: the equation's own
+    if not given.
+    """
+    bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bound)
+    return list(out) if eqn.primitive.multiple_results else [out]

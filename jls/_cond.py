@@ -1,40 +1,23 @@
-"""The skip: how a step leaves the state as it was, in two forms.
+"""The skip's pieces: exact selects and the values a skipped step returns.
 
-`selected` (the default): the update is computed and each leaf of the new
-state is ``lax.select(applied, new, old)``, which XLA fuses into the
-update's own loops. `guarded` (``loss_scaling(..., donated=True)``): one
-``lax.cond`` whose skip branch returns its operands. Both are exact (a
-select picks bits, it does not mask with ``0 * x``, which is nan for an inf
-``x``), so a skipped step leaves every leaf bitwise as it was, and neither
-lets a nan reach a state.
+`jls._substitute` is the skip itself. A skipped step leaves every leaf
+bitwise as it was: a select picks bits, it does not mask with ``0 * x``
+(nan for an inf ``x``), so no nan reaches a state; the skipped updates of
+``tx.update`` are ``-0.0`` (``p + (-0.0)`` is ``p`` bitwise), laid out as
+the updates are.
 
-Why two (``benchmarks/bench_skip.py``; the numbers are in
-``docs/performance.md``): a conditional's output is one buffer for both
-branches, and XLA lets it share the operand's buffer only when a branch
-returns the operand itself. So the conditional is free when the caller
-donates the state (``donate_argnums``: the skip branch passes the donated
-buffers through, the applying branch updates them in place), and without
-donation it makes XLA copy every parameter and moment before the
-conditional, every step, because read-only arguments cannot become outputs;
-its operands (the gradients) also cannot share the outputs' buffers, which
-keeps a gradient-sized temporary alive. The select has neither cost without
-donation, and with donation XLA:CPU copies the moments, which the select's
-fusions read after the update overwrote them. Neither form is best in both
-modes, and a traced function cannot see whether its caller donates, so the
-caller says so.
-
-In `guarded`, the applying branch comes first (putting the skip branch
-first made XLA copy every parameter and moment), and it is traced once, by
-``lax.cond`` itself: it records its output types while it is traced, and the
-skip branch builds the same from them (tracing the update ahead of the
-conditional, with ``jax.eval_shape`` or ``jax.make_jaxpr``, cost about what
-tracing the inner optimizer costs; the skip branch falls back to
-``jax.eval_shape`` should a jax ever trace it first).
+Two earlier forms were measured against it in both donation modes
+(``benchmarks/bench_skip_modes.py`` keeps them; the figures are in
+``docs/performance.md``): a select per leaf after the update, free without
+donation, made XLA:CPU copy every moment when the caller donated (the
+select's fusions read the old moments after the update overwrote them);
+one ``lax.cond`` whose skip branch passes the state through, free with
+donation, made XLA copy every parameter and moment without it (read-only
+arguments cannot become a conditional's outputs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -103,66 +86,20 @@ def cast_like(tree: Any, like: Any) -> Any:
     )
 
 
-def guarded(
-    apply: jax.Array,
-    step: Callable[[Any], Any],
-    skip: Callable[[Any, Any], Any],
-    operands: Any,
-    after: Callable[[bool], Any],
-) -> tuple[Any, Any]:
-    """``(step(operands), after(True))`` if ``apply``, else the skip's.
-
-    ``skip(operands, shapes)`` gets ``step``'s output types (`selected`
-    gives it the outputs themselves). ``after(taken)``
-    is evaluated inside each branch with ``taken`` a Python constant (the
-    scale rule: there the decision is a constant, so it folds to a few
-    scalar ops instead of reading the step's flags, which XLA would
-    recompute in each fusion that reads them). For callers that donate the
-    state; see the module notes.
-    """
-    shapes: list[Any] = []  # step's output types, once it is traced
-
-    def taken(ops):
-        new = step(ops)
-        shapes.append(jax.tree.map(jax.typeof, new))
-        return new, after(True)
-
-    def skipped(ops):
-        out = shapes[-1] if shapes else jax.eval_shape(step, ops)
-        return skip(ops, out), after(False)
-
-    return lax.cond(apply, taken, skipped, operands)
-
-
-def selected(
-    apply: jax.Array,
-    step: Callable[[Any], Any],
-    skip: Callable[[Any, Any], Any],
-    operands: Any,
-    after: Callable[[Any], Any],
-) -> tuple[Any, Any]:
-    """`guarded`'s result, without a conditional: each leaf selected.
-
-    ``after(apply)`` gets the traced decision.
-    """
-    new = step(operands)
-    old = skip(operands, new)  # the values: the skip's zeros take their layout
-    out = jax.tree.map(lambda n, o: select(apply, n, o), new, old)
-    return out, after(apply)
-
-
-def select(apply: jax.Array, new: Any, old: Any) -> Any:
+def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> Any:
     """``new`` where ``apply`` (a scalar), else ``old``, bitwise.
 
     The result has ``new``'s dtype, weakly typed if ``old`` is (as
     ``lax.cond`` joins them), so a weakly typed state keeps its types and the
-    step is traced once. Floats narrower than float32 are selected as their
-    bits: XLA:CPU computes them in float32, and a select it widens that way
-    would canonicalise a nan's payload.
+    step is traced once; ``weak``, if given, says instead. Floats narrower
+    than float32 are selected as their bits: XLA:CPU computes them in
+    float32, and a select it widens that way would canonicalise a nan's
+    payload.
     """
     new = jnp.asarray(new)
     old = jnp.asarray(old)
-    weak = jax.typeof(old).weak_type and old.dtype == new.dtype
+    if weak is None:
+        weak = bool(jax.typeof(old).weak_type and old.dtype == new.dtype)
     if old.dtype != new.dtype:
         old = old.astype(new.dtype)
     narrow = jnp.issubdtype(new.dtype, jnp.floating) and jnp.finfo(new.dtype).bits < 32
@@ -176,9 +113,14 @@ def select(apply: jax.Array, new: Any, old: Any) -> Any:
         chosen = lax.bitcast_convert_type(chosen, new.dtype)
     else:
         chosen = lax.select(apply, new, old)
-    if weak and not jax.typeof(chosen).weak_type:
-        chosen = weakly_typed(chosen)
-    return chosen
+    return retyped(chosen, weak)
+
+
+def retyped(x: jax.Array, weak: bool) -> jax.Array:
+    """``x``, weakly typed or not as ``weak`` says."""
+    if jax.typeof(x).weak_type == weak:
+        return x
+    return weakly_typed(x) if weak else lax.convert_element_type(x, x.dtype)
 
 
 _UINT = {4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}

@@ -11,8 +11,9 @@ One loss-scaled step, inside ``jit``, for every entry point (``tx.update``,
 2. `jls._decision.decide`: one read of the scaled gradients decides whether
    the unscaled ones are all finite (and measures their range and norm if
    the rule or a hook needs them); every replica agrees.
-3. `finish`: the hooks' vetoes and gradient factors, the skip (`jls._cond`:
-   the applying computation unscales the gradients with one multiplication
+3. `finish`: the hooks' vetoes and gradient factors, the skip
+   (`jls._substitute`, one form whether the caller donates or not: the
+   applying computation unscales the gradients with one multiplication
    that XLA fuses into the optimizer's update, runs the inner optimizer and,
    on the fused path, adds the updates; a skipped step leaves every leaf as
    it was), the scale rule, and each hook's record.
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jls import _cond
+from jls import _cond, _substitute
 from jls._composition import check_not_masked
 from jls._config import Config
 from jls._decision import (
@@ -216,29 +217,25 @@ def finish(
         zeros = _cond.zeros_like(out[0], grads, params)
         return zeros, _cond.cast_like(inner_state, out[1])
 
-    # With skip_nonfinite and no veto, finite == applied: a constant in each
-    # branch, so the scale rule folds.
+    # With skip_nonfinite and no veto, finite == applied: the rule reads one flag.
     known = config.scaler.skip_nonfinite and not vetoed
     scaler, old = config.scaler, state.loss_scale
 
-    def adjusted(applied: Any) -> LossScaleState:
-        # ``applied``: a Python bool in a branch of the conditional, else the
-        # traced decision.
+    def adjusted(applied: jax.Array) -> LossScaleState:
         new = scaler.adjust(
             old,
-            jnp.asarray(applied) if known else decision.finite,
-            applied=jnp.asarray(applied),
+            applied if known else decision.finite,
+            applied=applied,
             magnitude=decision.magnitude,
             retries=retries,
         )
-        if held is None or applied is True:
+        if held is None:
             return new
         kept = scaler.hold(old, decision.finite)
-        hold = held if applied is False else held & ~applied
+        hold = held & ~applied
         return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
 
-    skip = _cond.guarded if config.donated else _cond.selected
-    (out, inner_state), loss_scale = skip(
+    (out, inner_state), loss_scale = _substitute.substituted(
         apply, taken, skipped, (grads, state.inner_state, params), adjusted
     )
     after = info._replace(applied=apply, loss_scale=loss_scale)

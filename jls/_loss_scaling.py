@@ -168,13 +168,12 @@ def loss_scaling(
       hooks: further `jls.hooks.Hook` objects the step consults (a veto of your
         own, say); the arguments above add the built-in ones.
       donated: whether your jitted step donates the parameters and the
-        optimizer state (``jax.jit(step, donate_argnums=...)``). It chooses
-        how a skipped step leaves them as they were, the form XLA compiles
-        best in each case: ``False`` (default) a select fused into the
-        update, free without donation; ``True`` one ``lax.cond`` whose skip
-        branch passes the donated buffers through, free with donation
-        (``docs/performance.md`` has the measurements). Both are exact; a
-        wrong setting costs time and memory, never correctness.
+        optimizer state (``jax.jit(step, donate_argnums=...)``). The skip
+        does not read it (since jls 0.4 it compiles without copies either
+        way: ``docs/performance.md``); `jls.hooks.ScaleStats` with
+        ``every > 1`` needs it (its sampling conditional pays only with
+        donation), and `jls.flax` keeps a skipped step's other fields with
+        a conditional when it is set.
       scale_stats: ``True`` (or a floating dtype, default float16): record
         what the scale does to the scaled gradients in that compute dtype,
         ``jls.metrics(...)["underflow_fraction"]`` (the fraction of entries

@@ -4,10 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jls._compat import (
+    bind,
     pvary,
     tracked_in,
     tracks_varying_axes,
@@ -79,3 +81,20 @@ def test_weakly_typed_keeps_the_value_and_makes_it_weak():
     weak = weakly_typed(x)
     assert jax.typeof(weak).weak_type and not jax.typeof(x).weak_type
     assert weak.dtype == jnp.float32 and float(weak) == 1.5
+
+
+def test_bind_runs_each_equation_again_nested_programs_included():
+    # A custom_jvp (relu), a nested jit and a cond: the program's own outputs.
+    def f(x):
+        y = jax.jit(lambda a: a * 2.0)(jax.nn.relu(x))
+        return jax.lax.cond(x[0] > 0, lambda a: a + 1.0, lambda a: a - 1.0, y)
+
+    x = jnp.asarray([0.5, -1.0, 3.0])
+    closed = jax.make_jaxpr(f)(x)
+    env = dict(zip(closed.jaxpr.invars, [x], strict=True))
+    env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+    for eqn in closed.jaxpr.eqns:
+        outs = bind(eqn, [read(v) for v in eqn.invars])
+        env.update(zip(eqn.outvars, outs, strict=True))
+    np.testing.assert_array_equal(env[closed.jaxpr.outvars[0]], f(x))

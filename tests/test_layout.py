@@ -37,7 +37,7 @@ LAYERS = [
         "jls._scale_stats",
     ],
     ["jls._builtins", "jls._inner", "jls._cond", "jls._off", "jls._average"],
-    ["jls._config"],
+    ["jls._config", "jls._substitute"],
     ["jls._decision", "jls._compensated", "jls._keep"],
     ["jls._core"],
     ["jls._transformation"],

@@ -1,0 +1,1 @@
+taskset -c 0 python /tmp/perf/cost2.py lm substituted,dual,selected,guarded fused,update  (the script's proxies(), before it was folded into bench_skip_modes.py --proxies); columns: variant | bytes accessed MB | temp MB | copies | copied MB

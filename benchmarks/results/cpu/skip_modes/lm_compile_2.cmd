@@ -1,0 +1,1 @@
+taskset -c 1 python benchmarks/bench_skip_modes.py --model lm --compile 3 --forms substituted selected --paths fused --json benchmarks/results/cpu/skip_modes/lm_compile_2.json  (branch d34; 2-core x86_64 CPU shared with other processes (load 5-9), jax 0.10.2; the CPU ratio counts this process's CPU seconds of trace+lower+compile)

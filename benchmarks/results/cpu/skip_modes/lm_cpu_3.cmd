@@ -1,0 +1,1 @@
+taskset -c 1 python benchmarks/bench_skip_modes.py --check --clock cpu --model lm --rounds 8 --forms selected guarded substituted --json benchmarks/results/cpu/skip_modes/lm_cpu_3.json  (branch d34 before substituted moved into jls: the script's own substituted, the same program as jls._substitute's; 2-core x86_64 CPU shared with other processes, jax 0.10.2)

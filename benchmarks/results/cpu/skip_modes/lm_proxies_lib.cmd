@@ -1,0 +1,1 @@
+taskset -c 1 python benchmarks/bench_skip_modes.py --model lm --proxies --forms substituted --json benchmarks/results/cpu/skip_modes/lm_proxies_lib.json  (branch d34, substituted = jls._substitute.substituted: the same temporaries, copies and bytes accessed as lm_cpu_3's substituted, which was the script's own before it moved into jls)

@@ -1,0 +1,1 @@
+taskset -c 1 python benchmarks/bench_skip_modes.py --clock cpu --model mlp --rounds 8 --forms selected guarded substituted --json benchmarks/results/cpu/skip_modes/mlp_cpu_1.json  (branch d34, substituted = jls._substitute.substituted; 2-core x86_64 CPU shared with other processes, jax 0.10.2)
