@@ -25,9 +25,11 @@ from jls._policy import Policy, get_policy
 from jls._precision import precision_report
 from jls._rule import LossScaler
 from jls._scale_stats import ScaleStats
+from jls._scaled_state import ScaledState, scaled_state
 from jls._scaling import scale_loss, unscale
 from jls._set_scale import deprecated_replace_loss_scale_state, set_loss_scale
 from jls._spikes import SpikeRule
+from jls._stagnation import Stagnation, StagnationWarning, warn_if_stagnant
 from jls._state import LossScaleState
 from jls._static import no_scale, static_scale
 from jls._step import StepOutput, train_step
@@ -44,7 +46,10 @@ __all__ = [
     "LossScaling",
     "Policy",
     "ScaleStats",
+    "ScaledState",
     "SpikeRule",
+    "Stagnation",
+    "StagnationWarning",
     "all_finite",
     "apply_gradients",
     "compensated",
@@ -60,12 +65,14 @@ __all__ = [
     "presets",
     "raise_if_diverged",
     "scale_loss",
+    "scaled_state",
     "set_loss_scale",
     "static_scale",
     "stochastic_rounding",
     "train_step",
     "unscale",
     "upgrade_state",
+    "warn_if_stagnant",
 ]
 
 # Old names that keep working for one release, with a DeprecationWarning.

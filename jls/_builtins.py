@@ -13,6 +13,7 @@ from jls._norm import GradientNorm
 from jls._replicas import ReplicaCheck
 from jls._scale_stats import ScaleStats
 from jls._spikes import SpikeRule
+from jls._stagnation import Stagnation
 from jls._validate import flag
 
 
@@ -78,8 +79,9 @@ def all_hooks(
 ) -> tuple[Hook, ...]:
     """The built-in hooks the arguments stand for, then ``hooks``; names unique.
 
-    A sampling `ScaleStats` (``every > 1``) needs ``donated``: its
-    ``lax.cond`` holds the gradients in memory in a step that does not donate.
+    A sampling `ScaleStats` or `Stagnation` (``every > 1``) needs
+    ``donated``: its ``lax.cond`` holds the gradients in memory in a step
+    that does not donate.
     """
     if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
         raise TypeError(f"hooks must be a sequence of jls.Hook, got {hooks!r:.200}")
@@ -98,6 +100,15 @@ def all_hooks(
     names = [h.name for h in out]
     if len(set(names)) != len(names):
         raise ValueError(f"hooks must have distinct names, got {names}")
+    sampling = [h for h in out if isinstance(h, Stagnation) and h.every > 1]
+    if sampling and not donated:
+        raise ValueError(
+            f"jls.Stagnation(every={sampling[0].every}) reads one step in "
+            f"{sampling[0].every} inside a lax.cond, which pays only when the "
+            "step donates (donated=True, with jax.jit(..., donate_argnums=...)): "
+            "without donation the conditional holds the gradients in memory. "
+            "Donate, or read every step: jls.Stagnation(every=1)."
+        )
     sampled = [h for h in out if isinstance(h, ScaleStats) and h.every > 1]
     if sampled and not donated:
         raise ValueError(

@@ -258,16 +258,15 @@ class LossScaling(Decisions):
             params, rest = split_inexact(params)  # a whole model: the rest passes by
             params, frozen = split_frozen(params, grads)  # None gradients: not trained
 
-        def taken(operands):
+        def taken(operands):  # and the parameters and updates, for the hooks' reads
             grads, inner_state, params = operands
             if factors or shrink is not None:  # no factors: the scale is 1 forever
                 grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
             updates, inner_state = self.inner.update(
                 grads, inner_state, params, **extra_args
             )
-            if fused:
-                return optax.apply_updates(params, updates), inner_state
-            return updates, inner_state
+            out = optax.apply_updates(params, updates) if fused else updates
+            return (out, inner_state), params, updates
 
         def skipped(operands, out):
             grads, inner_state, params = operands
@@ -276,6 +275,7 @@ class LossScaling(Decisions):
             zeros = _cond.zeros_like(out[0], grads, params)
             return zeros, _cond.cast_like(inner_state, out[1])
 
+        taken, skipped = _cond.reading(self.hooks, state.hooks, taken, skipped, fused)
         # With skip_nonfinite and no veto, finite == applied: a constant in each
         # branch, so the scale rule folds.
         known = self.scaler.skip_nonfinite and not vetoed
@@ -297,12 +297,12 @@ class LossScaling(Decisions):
             return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
 
         skip = _cond.guarded if self.donated else _cond.selected
-        (out, inner_state), loss_scale = skip(
+        ((out, inner_state), reads), loss_scale = skip(
             apply, taken, skipped, (grads, state.inner_state, params), adjusted
         )
         if fused:
             out = merge(merge(out, frozen), rest)
-        after = info._replace(applied=apply, loss_scale=loss_scale)
+        after = info._replace(applied=apply, loss_scale=loss_scale, reads=reads)
         no_veto = jnp.asarray(False)
         hooks = {
             h.name: h.update(state.hooks[h.name], after, vetoed.get(h.name, no_veto))

@@ -30,7 +30,10 @@ def test_public_names():
         "LossScaling",
         "Policy",
         "ScaleStats",
+        "ScaledState",
         "SpikeRule",
+        "Stagnation",
+        "StagnationWarning",
         "all_finite",
         "apply_gradients",
         "compensated",
@@ -46,12 +49,14 @@ def test_public_names():
         "presets",
         "raise_if_diverged",
         "scale_loss",
+        "scaled_state",
         "set_loss_scale",
         "static_scale",
         "stochastic_rounding",
         "train_step",
         "unscale",
         "upgrade_state",
+        "warn_if_stagnant",
     }
     assert set(jls.__all__) == expected
     assert all(hasattr(jls, name) for name in expected)
