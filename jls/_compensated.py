@@ -126,29 +126,47 @@ def _buffer_value(k: Any, new: jax.Array, dtype: Any, wide: Any) -> jax.Array:
     return frac * jnp.ldexp(jnp.ones((), wide), e)
 
 
+def _units(lost: Any, new: Any, dtype: Any, wide: Any, bits: int) -> Any:
+    """``lost`` in units of ``2**-bits`` of ``new``'s spacing, rounded (float)."""
+    e = _unit_exponent(new, dtype, wide)
+    scaled = lost * jnp.ldexp(jnp.ones((), wide), -e)  # exact: powers of two
+    return jnp.round(scaled * np.asarray(2.0**bits, wide))
+
+
 def _kahan(p: Any, u: Any, k: Any) -> tuple[Any, Any]:
     """``(update, buffer)`` of one leaf: Kahan's sum in at least float32.
 
     Finite sums saturate at the dtype's largest value, as plain rounding
     does, so the buffer can never carry a finite run to inf and then nan.
     The buffer holds the lost part in units of ``2**-bits`` of the new
-    parameter's spacing (it is at most half of it), rounded to nearest.
+    parameter's spacing, rounded to nearest. The lost part is at most half
+    of that spacing, which the buffer's largest count falls one unit short
+    of: when a parameter that stayed has a lost part that rounds past it,
+    the parameter moves one place toward it instead and the buffer keeps
+    the rest (of the other sign), so steps too small to pass the half one
+    at a time still carry it over (at most a unit is lost there).
     """
     if not _floating(p) or u is None:
         return u, k
     p, u, k = _checked("compensated", p), jnp.asarray(u), jnp.asarray(k)
     wide = compute_dtype(p.dtype)
+    bits = np.dtype(k.dtype).itemsize * 8
+    top = np.asarray(2.0 ** (bits - 1) - 1, wide)
     p_wide = p.astype(wide)
     y = u.astype(wide) + _buffer_value(k, p_wide, p.dtype, wide)
     new = _saturated(p_wide + y, p.dtype).astype(p.dtype)
-    new_wide = new.astype(wide)
-    step = new_wide - p_wide
-    lost = y - step  # at most half of new's spacing, unless saturated
-    bits = np.dtype(k.dtype).itemsize * 8
-    e = _unit_exponent(new_wide, p.dtype, wide)
-    units = lost * jnp.ldexp(jnp.ones((), wide), -e) * np.asarray(2.0**bits, wide)
-    top = np.asarray(2.0 ** (bits - 1) - 1, wide)
-    units = jnp.where(jnp.isfinite(units), jnp.clip(jnp.round(units), -top, top), 0)
+    units = _units(
+        y - (new.astype(wide) - p_wide), new.astype(wide), p.dtype, wide, bits
+    )
+    # A parameter that stayed with the half (or more, saturated) to carry:
+    # one place toward it. (One that moved keeps the other half, clipped.)
+    toward = jnp.where(units > 0, jnp.inf, -jnp.inf).astype(p.dtype)
+    after = jnp.nextafter(new, toward)
+    carry = (jnp.abs(units) > top) & (new == p) & jnp.isfinite(after)
+    new = jnp.where(carry, after, new)
+    step = new.astype(wide) - p_wide
+    units = _units(y - step, new.astype(wide), p.dtype, wide, bits)
+    units = jnp.where(jnp.isfinite(units), jnp.clip(units, -top, top), 0)
     return step, units.astype(k.dtype)
 
 

@@ -55,7 +55,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         (``gradient_norm=True``), ``spike`` and ``total_spikes``
         (``skip_spikes``), ``replicas_differ`` and ``replica_mismatches``
         (``check_replicas=True``), ``underflow_fraction`` and
-        ``headroom_bits`` (``scale_stats``), and a user hook's
+        ``headroom_bits`` (``scale_stats``), ``stagnant_fraction``
+        (``hooks=[jls.Stagnation()]``), and a user hook's
         `jls.Hook.metrics`.
 
     Example:

@@ -19,8 +19,10 @@ in place, and reading it beside that makes XLA copy every parameter.
 
 The updates are those the step applies: under `jls.stochastic_rounding` or
 `jls.compensated` an update is ``new - p``, zero where the parameter stays,
-so those report 0 (each keeps what rounding loses, in expectation or in its
-buffer).
+so nothing they apply is lost and they report about 0 (each keeps what
+rounding loses, in expectation or in its buffer; what they report is the
+parameters that stepped outward onto a power of two, the rule's limit
+above).
 
 ``every`` (default 16) reads one step in ``every`` (the first, then every
 ``every``-th call), inside a conditional of its own that runs the update
@@ -178,19 +180,22 @@ class Stagnation(Hook):
         return {"stagnant_fraction": plain(state).stagnant_fraction}
 
 
-def warn_if_stagnant(opt_state: Any, threshold: float = 0.5) -> float:
+def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
     """Warns (`StagnationWarning`) when the updates are being rounded away.
 
     Reads ``stagnant_fraction`` of a state whose transformation has a
     `jls.Stagnation` hook, on the host (a sync point: call it where you log
     metrics), and warns once it is at least ``threshold``: that fraction of
     the entries the optimizer moves is left where it was by rounding, and
-    the run has (mostly) stopped learning. The warning names the remedies.
+    the run has mostly stopped learning. The warning names the remedies.
+    (A plain bfloat16 run can lose half of Adam's updates at its peak
+    learning rate and still train as well as float32: the default threshold
+    is for the stall, not for the loss of precision.)
 
     Args:
       opt_state: the optimizer state (batched under ``vmap``/``pmap`` too:
         the largest member's fraction counts).
-      threshold: a float in ``(0, 1]``.
+      threshold: a float in ``(0, 1]`` (default 0.9).
 
     Returns:
       The fraction read, a Python float.

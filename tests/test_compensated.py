@@ -54,10 +54,19 @@ def test_apply_updates_lands_exactly_on_the_compensated_value(dtype, gap, bits, 
     c = k.astype(np.float64) * 2.0**-bits * _spacing(p, dtype)
     y = (u.astype(np.float64) + c).astype(np.float32)  # the sum float32 holds
     want = (p.astype(np.float32) + y).astype(dtype)
+
+    def units_of(new):
+        lost = y.astype(np.float64) - (new.astype(np.float64) - p.astype(np.float64))
+        return np.round(lost / _spacing(new, dtype) * 2.0**bits)
+
+    # A parameter that stayed, its lost part past the buffer's largest count
+    # (the half): one place toward it.
+    carry = (np.abs(units_of(want)) > top) & (want == p)
+    toward = np.where(units_of(want) > 0, np.inf, -np.inf).astype(dtype)
+    want = np.where(carry, np.nextafter(want, toward), want).astype(dtype)
     np.testing.assert_array_equal(np.asarray(new), want)
     assert new.dtype == dtype
-    lost = y.astype(np.float64) - (want.astype(np.float64) - p.astype(np.float64))
-    units = np.clip(np.round(lost / _spacing(want, dtype) * 2.0**bits), -top, top)
+    units = np.clip(units_of(want), -top, top)
     np.testing.assert_array_equal(np.asarray(state.compensation), units)
     assert state.compensation.dtype == np.dtype(f"int{bits}")
 
@@ -92,6 +101,24 @@ def test_kahan_recovers_the_float32_move_at_steps_far_below_the_last_place(dtype
     plain = _move(optax.sgd(1.0), dtype, size, steps)
     assert plain == 0.0  # every step rounded away
     assert 0.95 <= kahan / master <= 1.05, (kahan, master)
+
+
+@pytest.mark.parametrize(("dtype", "bits"), [(jnp.bfloat16, 16), (jnp.float16, 8)])
+def test_a_full_buffer_carries_the_half_over(dtype, bits):
+    # The buffer's largest count is one unit short of half a place: a step
+    # of 0.6 units on a full buffer still moves the parameter a place (it
+    # used to stay, the buffer clipped, every later step of that size lost).
+    top = 2 ** (bits - 1) - 1
+    p = jnp.ones(4, dtype)
+    spacing = float(jnp.finfo(dtype).eps)  # the spacing above 1
+    tx = jls.compensated(optax.sgd(-1.0), buffer_dtype=f"int{bits}")
+    state = tx.init(p)._replace(compensation=jnp.full(4, top, f"int{bits}"))
+    u = jnp.full(4, 0.6 * spacing * 2.0**-bits, jnp.float32)
+    step, state = tx.update(u, state, p)
+    new = optax.apply_updates(p, step)
+    assert new.tolist() == [1.0 + spacing] * 4
+    # What is left, half a place less a little, is kept (of the other sign).
+    assert state.compensation.tolist() == [-top] * 4
 
 
 def test_the_buffer_costs_what_its_dtype_says():

@@ -203,9 +203,10 @@ def _stalled_state(threshold_lr=1e-4):
 def test_warn_if_stagnant_warns_at_the_threshold_and_names_the_remedies():
     state = _stalled_state()  # 3 of 4 entries stuck
     with pytest.warns(jls.StagnationWarning, match="75.0%.*stochastic_rounding"):
-        assert jls.warn_if_stagnant(state) == 0.75
+        assert jls.warn_if_stagnant(state, threshold=0.75) == 0.75
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert jls.warn_if_stagnant(state) == 0.75  # below the default 0.9
         assert jls.warn_if_stagnant(state, threshold=0.8) == 0.75
 
 
