@@ -97,13 +97,10 @@ def _saturated(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _buffer_dtype(value: Any) -> np.dtype:
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        dtype = None
-    if dtype not in (np.dtype(np.int16), np.dtype(np.int8)):
-        raise ValueError(f"buffer_dtype must be 'int16' or 'int8', got {value!r}")
-    return dtype
+    for dtype in (np.dtype(np.int16), np.dtype(np.int8)):
+        if value is not None and value is not True and value == dtype:
+            return dtype
+    raise ValueError(f"buffer_dtype must be 'int16' or 'int8', got {value!r}")
 
 
 def _unit_exponent(new: jax.Array, dtype: Any, wide: Any) -> jax.Array:

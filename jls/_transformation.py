@@ -275,7 +275,7 @@ class LossScaling(Decisions):
             zeros = _cond.zeros_like(out[0], grads, params)
             return zeros, _cond.cast_like(inner_state, out[1])
 
-        taken, skipped = _cond.reading(self.hooks, state.hooks, taken, skipped, fused)
+        branches = _cond.reading(self.hooks, state.hooks, taken, skipped, fused)
         # With skip_nonfinite and no veto, finite == applied: a constant in each
         # branch, so the scale rule folds.
         known = self.scaler.skip_nonfinite and not vetoed
@@ -298,7 +298,7 @@ class LossScaling(Decisions):
 
         skip = _cond.guarded if self.donated else _cond.selected
         ((out, inner_state), reads), loss_scale = skip(
-            apply, taken, skipped, (grads, state.inner_state, params), adjusted
+            apply, *branches, (grads, state.inner_state, params), adjusted
         )
         if fused:
             out = merge(merge(out, frozen), rest)
