@@ -1,16 +1,17 @@
 """What ``jls.Stagnation`` costs: the fused step with it against without it.
 
-``jls.loss_scaling(..., hooks=[jls.Stagnation(every=n)])`` measures, on one
+``jls.loss_scaling(..., hooks=[jls.Stagnation(every=n)])`` reads, on one
 applied step in ``n``, the fraction of parameter entries whose update is
-rounded away; on the fused path the measured step runs the optimizer's
-update a second time. This times the fused step (``jls.apply_gradients``,
+rounded away, beside the update (a second conditional runs the reading
+update; the first runs the plain one). This times the fused step (``jls.apply_gradients``,
 Adam, ``jls.dynamic_scale()``) with and without the hook, and plain Adam,
 on the models of ``bench_step.py``, donated and not, in interleaved rounds;
 ratios are to the fused step without the hook in the same donation mode.
 Each sample times ``--steps`` steps, so with ``every`` equal to it every
-sample holds exactly one measured step (``every16`` at the default 16);
-``every1`` measures every step. ``--params bfloat16`` casts the parameters
-(and so Adam's moments) to bfloat16, the case the hook is for. Run:
+sample holds exactly one measured step (``every16`` at the default 16,
+donated only: jls refuses sampling without donation); ``every1`` reads
+every step, inline. ``--params bfloat16`` casts the parameters (and so
+Adam's moments) to bfloat16, the case the hook is for. Run:
 ``python benchmarks/bench_stagnation.py --model all --rounds 15``.
 """
 
@@ -50,9 +51,12 @@ def variants(loss_fn, params, every: int):
         out["plain" + suffix] = (jit(plain), adam.init(params))
         configs = [
             ("jls_fused", ()),
-            (f"jls_fused_stagnation_every{every}", (jls.Stagnation(every=every),)),
-            ("jls_fused_stagnation_every1", (jls.Stagnation(every=1),)),
+            ("jls_fused_stagnation_every1", (jls.Stagnation(1),)),
         ]
+        if donated:  # sampling needs a donating step (refused without)
+            configs.insert(
+                1, (f"jls_fused_stagnation_every{every}", (jls.Stagnation(every),))
+            )
         for name, hooks in configs:
             tx = jls.loss_scaling(adam, scaler, donated=donated, hooks=hooks)
 
