@@ -3,9 +3,10 @@
 ``jls.loss_scaling(..., hooks=[jls.Stagnation(every=n)])`` reads, on one
 applied step in ``n``, the fraction of parameter entries whose update is
 rounded away, beside the update (a second conditional runs the reading
-update; the first runs the plain one). This times the fused step (``jls.apply_gradients``,
-Adam, ``jls.dynamic_scale()``) with and without the hook, and plain Adam,
-on the models of ``bench_step.py``, donated and not, in interleaved rounds;
+update; the first runs the plain one). This times the fused step
+(``jls.apply_gradients``, Adam, ``jls.dynamic_scale()``) with and without
+the hook, and plain Adam, on the models of ``bench_step.py``, donated and
+not, in interleaved rounds;
 ratios are to the fused step without the hook in the same donation mode.
 Each sample times ``--steps`` steps, so with ``every`` equal to it every
 sample holds exactly one measured step (``every16`` at the default 16,

@@ -241,6 +241,13 @@ def small_steps(steps: int = 100_000) -> str:
     return "\n".join(lines)
 
 
+def _spread(values: list[float]) -> str:
+    """The mean, and the min-max when there are several."""
+    if len(values) == 1:
+        return f"{values[0]:.4g}"
+    return f"{np.mean(values):.4g} ({min(values):.4g}-{max(values):.4g})"
+
+
 def table(rows: list[dict], names: list[str]) -> str:
     """Per variant: losses (mean, min-max over seeds), against the master, bytes."""
     master = [r["held_out_loss"] for r in rows if r["variant"] == "f32-master"]
@@ -262,8 +269,7 @@ def table(rows: list[dict], names: list[str]) -> str:
         skips = "/".join(str(r["skips"]) for r in rs)
         bad = sum(r["first_nonfinite_loss"] is not None for r in rs)
         lines.append(
-            f"| {v} | {np.mean(tr):.3f} ({min(tr):.3f}-{max(tr):.3f}) | "
-            f"{np.mean(ho):.3f} ({min(ho):.3f}-{max(ho):.3f}) | {vs} | "
+            f"| {v} | {_spread(tr)} | {_spread(ho)} | {vs} | "
             f"{rs[0]['bytes'] / 1e6:.2f} | {mem} | {skips} | {bad} of {len(rs)} |"
         )
     return "\n".join(lines)
