@@ -125,18 +125,23 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """The training loss's gap to the float32 master, and the fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def smooth(x):
+        return np.convolve(x, np.ones(50) / 50, mode="valid")
+
+    master = next((r for r in rows if r["variant"] == "f32-master"), rows[0])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in rows:
-        smooth = np.convolve(r["losses"], np.ones(20) / 20, mode="valid")
-        ax1.plot(np.arange(len(smooth)) + 20, smooth, label=r["variant"], lw=1)
+        gap = smooth(r["losses"]) - smooth(master["losses"])
+        ax1.plot(np.arange(len(gap)) + 50, gap, label=r["variant"], lw=1)
         ax2.plot(100 * np.asarray(r["fractions"]), label=r["variant"], lw=1)
-    ax1.set(xlabel="step", ylabel="training loss (mean of 20 steps)")
-    ax1.set_title("char LM, cosine schedule, bfloat16 compute")
+    ax1.set(xlabel="step", ylabel=f"training loss - {master['variant']}'s")
+    ax1.set_title("char LM, cosine schedule (means of 50 steps)")
     ax2.set(xlabel="step", ylabel="% of moving entries left unchanged")
     ax2.set_title('jls.Stagnation: metrics(...)["stagnant_fraction"]')
     ax1.legend()
