@@ -35,10 +35,11 @@ tracing the inner optimizer costs; the skip branch falls back to
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from jls._compat import varying_of, weakly_typed
@@ -120,6 +121,8 @@ def guarded(
     recompute in each fusion that reads them). For callers that donate the
     state; see the module notes.
     """
+    if isinstance(step, Reading):
+        return guarded_reading(apply, step, skip, operands, after)
     shapes: list[Any] = []  # step's output types, once it is traced
 
     def taken(ops):
@@ -143,9 +146,13 @@ def selected(
 ) -> tuple[Any, Any]:
     """`guarded`'s result, without a conditional: each leaf selected.
 
-    ``after(apply)`` gets the traced decision.
+    ``after(apply)`` gets the traced decision. A `Reading` step reads
+    inside one ``lax.cond`` on ``step.now`` (both branches update).
     """
-    new = step(operands)
+    if isinstance(step, Reading):
+        new = lax.cond(step.now, step.read, step.plain, operands)
+    else:
+        new = step(operands)
     old = skip(operands, new)  # the values: the skip's zeros take their layout
     out = jax.tree.map(lambda n, o: select(apply, n, o), new, old)
     return out, after(apply)
@@ -182,3 +189,128 @@ def select(apply: jax.Array, new: Any, old: Any) -> Any:
 
 
 _UINT = {4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}
+
+
+class Reading(NamedTuple):
+    """An applying step that may also read its updates (made by `reading`).
+
+    Attributes:
+      plain: ``ops -> (out, zero reads)``: the step, reading nothing.
+      read: ``ops -> (out, reads)``: the step and the hooks' reads.
+      now: a scalar bool: this step reads (a hook samples it).
+      again: ``(ops, out) -> (ops, carry)``: the operands of the reading
+        step once the plain one has run (``out``: the state it left), and
+        what its pass-through needs besides (the updates, or ``None``).
+      passed: ``(ops, carry) -> out``: the reading step's pass-through.
+    """
+
+    plain: Callable[[Any], Any]
+    read: Callable[[Any], Any]
+    now: jax.Array
+    again: Callable[[Any, Any], Any]
+    passed: Callable[[Any, Any], Any]
+
+
+def reading(
+    hooks: Any,
+    states: dict[str, Any],
+    step: Callable[[Any], Any],
+    skip: Callable[[Any, Any], Any],
+    fused: bool,
+) -> tuple[Any, Callable[[Any, Any], Any]]:
+    """``step`` and ``skip`` with what the hooks read of the applied updates.
+
+    ``step(ops)`` returns ``(out, params, updates)`` (``ops``: the gradients,
+    the inner state and the parameters; ``out``: the new parameters on the
+    fused path, else the updates, with the inner state). The step returned
+    gives ``(out, reads)``, ``reads`` each reading hook's
+    `jls.hooks.Hook.read_updates` by name, and the skip ``(its out, zero reads)``.
+    A hook reads on the steps its `jls.hooks.Hook.reads_updates` says: always (a
+    Python ``True``: read inline), or on a traced condition: then the step
+    is a `Reading`, which `guarded` runs as two conditionals in a row (the
+    plain update, then the reading one, each with a pass-through branch: a
+    conditional nested in the applying branch, or a three-way switch, makes
+    XLA copy every parameter and moment) and `selected` as one.
+    """
+    when = {h.name: h.reads_updates(states[h.name]) for h in hooks}
+    readers = [h for h in hooks if when[h.name] is not None]
+
+    def read(ops: Any) -> Any:
+        out, params, updates = step(ops)
+        if not readers:
+            return out, {}
+        if params is None:
+            raise TypeError(
+                f"the hooks {[h.name for h in readers]} read the updates and need "
+                "the parameters: call tx.update(grads, opt_state, params)"
+            )
+        new = optax.apply_updates(params, updates)  # on the fused path: out
+        return out, {
+            h.name: h.read_updates(states[h.name], new, updates) for h in readers
+        }
+
+    def skipped(ops: Any, out: Any) -> Any:
+        return skip(ops, out[0]), jax.tree.map(_zeros, out[1])
+
+    if all(when[h.name] is True for h in readers):  # none, or always: inline
+        return read, skipped
+    now = jnp.any(jnp.stack([jnp.asarray(when[h.name]) for h in readers]))
+    shapes: list[Any] = []  # the reads' types, once the reading step is traced
+
+    def traced(ops: Any) -> Any:
+        out, reads = read(ops)
+        shapes.append(jax.tree.map(jax.typeof, reads))
+        return out, reads
+
+    def plain(ops: Any) -> Any:
+        types = shapes[-1] if shapes else jax.eval_shape(read, ops)[1]
+        return step(ops)[0], jax.tree.map(_zeros, types)
+
+    def again(ops: Any, out: Any) -> Any:
+        grads, _, params = ops
+        if fused:  # out: the new parameters and inner state
+            return (grads, out[1], out[0]), None
+        return (grads, out[1], params), out[0]  # out: the updates and state
+
+    def passed(ops: Any, updates: Any) -> Any:
+        return (ops[2], ops[1]) if fused else (updates, ops[1])
+
+    return Reading(plain, traced, now, again, passed), skipped
+
+
+def _zeros(t: Any) -> jax.Array:
+    return jnp.zeros(t.shape, t.dtype)
+
+
+def guarded_reading(
+    apply: jax.Array,
+    step: Reading,
+    skip: Callable[[Any, Any], Any],
+    operands: Any,
+    after: Callable[[Any], Any],
+) -> tuple[Any, Any]:
+    """`guarded` for a `Reading` step: the plain update, then the reading one.
+
+    Each is a conditional with a pass-through branch, so the state is
+    updated in place by whichever applies; the scale rule gets the traced
+    decision.
+    """
+    (out, _), _ = guarded(apply & ~step.now, step.plain, skip, operands, _nothing)
+    shapes: list[Any] = []
+
+    def taken(second: Any) -> Any:
+        new = step.read(second[0])
+        shapes.append(jax.tree.map(jax.typeof, new[1]))
+        return new
+
+    def passed(second: Any) -> Any:
+        types = shapes[-1] if shapes else jax.eval_shape(taken, second)[1]
+        return step.passed(*second), jax.tree.map(_zeros, types)
+
+    second = step.again(operands, out)
+    return lax.cond(apply & step.now, taken, passed, second), after(apply)
+
+
+def _nothing(taken: Any) -> tuple[()]:
+    del taken
+    return ()

@@ -15,7 +15,8 @@ One loss-scaled step, inside ``jit``, for every entry point (``tx.update``,
    the applying computation unscales the gradients with one multiplication
    that XLA fuses into the optimizer's update, runs the inner optimizer and,
    on the fused path, adds the updates; a skipped step leaves every leaf as
-   it was), the scale rule, and each hook's record.
+   it was; a hook that reads the applied updates reads them there, on the
+   steps it asks), the scale rule, and each hook's record.
 
 `step` chains them: the documented internal entry point. `jls.train_step`
 calls them itself, `decide` once per attempt (its retries). With
@@ -200,14 +201,13 @@ def finish(
         factors = reciprocals(state.loss_scale.scale, grads, two_factor=two)
     shrink = gradient_factor(config, state.hooks, info)
 
-    def taken(operands):
+    def taken(operands):  # and the parameters and updates, for the hooks' reads
         grads, inner_state, params = operands
         if factors or shrink is not None:  # no factors: the scale is 1 forever
             grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
         updates, inner_state = config.inner.update(grads, inner_state, params, **args)
-        if fused:
-            return optax.apply_updates(params, updates), inner_state
-        return updates, inner_state
+        out = optax.apply_updates(params, updates) if fused else updates
+        return (out, inner_state), params, updates
 
     def skipped(operands, out):
         grads, inner_state, params = operands
@@ -216,6 +216,7 @@ def finish(
         zeros = _cond.zeros_like(out[0], grads, params)
         return zeros, _cond.cast_like(inner_state, out[1])
 
+    branches = _cond.reading(config.hooks, state.hooks, taken, skipped, fused)
     # With skip_nonfinite and no veto, finite == applied: a constant in each
     # branch, so the scale rule folds.
     known = config.scaler.skip_nonfinite and not vetoed
@@ -238,10 +239,10 @@ def finish(
         return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
 
     skip = _cond.guarded if config.donated else _cond.selected
-    (out, inner_state), loss_scale = skip(
-        apply, taken, skipped, (grads, state.inner_state, params), adjusted
+    ((out, inner_state), reads), loss_scale = skip(
+        apply, *branches, (grads, state.inner_state, params), adjusted
     )
-    after = info._replace(applied=apply, loss_scale=loss_scale)
+    after = info._replace(applied=apply, loss_scale=loss_scale, reads=reads)
     no_veto = jnp.asarray(False)
     hooks = {
         h.name: h.update(state.hooks[h.name], after, vetoed.get(h.name, no_veto))
