@@ -156,16 +156,23 @@ def _resolve_in_jls(app, env, node, contnode):
 
     jls's docstrings write `LossScaleState` for ``jls.LossScaleState`` in
     every module; Sphinx looks such a name up in the documented object's own
-    module (``jls.presets`` for a preset) and misses it. Try ``jls.<name>``
-    before calling the reference broken.
+    module (``jls.presets`` for a preset) and misses it; a summary line in
+    the API reference's tables (`warn_if_stagnant`, `Hook.check`) is looked
+    up from the page, not from its module. Try ``jls.<name>``, then
+    ``jls.hooks.<name>`` and ``jls.precision.<name>``, before calling the
+    reference broken.
     """
     if node.get("refdomain") != "py" or node.get("reftarget", "").startswith("jls."):
         return None
     domain = env.get_domain("py")
-    target = "jls." + node["reftarget"]
-    return domain.resolve_xref(
-        env, node["refdoc"], app.builder, node["reftype"], target, node, contnode
-    )
+    for space in ("jls.", "jls.hooks.", "jls.precision."):
+        target = space + node["reftarget"]
+        found = domain.resolve_xref(
+            env, node["refdoc"], app.builder, node["reftype"], target, node, contnode
+        )
+        if found is not None:
+            return found
+    return None
 
 
 def _skip_namedtuple_aliases(app, what, name, obj, skip, options):

@@ -3,13 +3,17 @@
 The demo is a program, not API: its functions may change in any release.
 
 Trains one small network on scikit-learn's bundled handwritten digits (no
-download) in four modes side by side, with float32 master weights in every
-mixed mode:
+download) in five modes side by side, with float32 master weights in the
+first four mixed modes:
 
 - ``f32``: float32 compute, plain optax (the reference);
 - ``f16``: float16 compute, plain optax, no loss scaling;
 - ``f16-jls``: float16 compute, `jls.loss_scaling` with a dynamic scale;
-- ``bf16``: bfloat16 compute, `jls.no_scale` (skip non-finite steps only).
+- ``bf16``: bfloat16 compute, `jls.no_scale` (skip non-finite steps only);
+- ``f16-state``: as ``f16-jls`` with no float32 copy at all: the parameters
+  and Adam's moments in float16 (`jls.precision.scaled_state`: the moments scaled per
+  array, Adam run in float32), the parameters stochastically rounded
+  (`jls.precision.stochastic_rounding`): half of ``f16-jls``'s bytes.
 
 The configuration shows the problem loss scaling solves, measured rather than
 asserted: a 6-layer GELU network trained full-batch with Adam on the mean
@@ -25,9 +29,11 @@ entries that are nonzero when the same gradient is computed in float32 at the
 same parameters, the fraction that is exactly zero in that mode.
 
 It prints a progress bar per mode, then a table: the final training loss
-(evaluated in float32), test accuracy, skipped steps (modes without jls
-cannot skip: "-"), the final loss scale, the underflow fraction averaged over
-the run and over its last tenth ("at end"), and the training seconds
+and the held-out (test) loss (both evaluated in float32), test accuracy,
+skipped steps (modes without jls cannot skip: "-"), the final loss scale,
+the underflow fraction averaged over the run and over its last tenth ("at
+end"), the megabytes of the parameters and the optimizer's state, and the
+training seconds
 (compilation excluded). Below it, ``f16-jls``'s own view of its scale:
 ``jls.loss_scaling(..., scale_stats=True)`` records, in the step, the
 fraction of the scaled gradient entries below float16's smallest normal and
@@ -68,6 +74,7 @@ MODES: dict[str, Any] = {
     "f16": jnp.float16,
     "f16-jls": jnp.float16,
     "bf16": jnp.bfloat16,
+    "f16-state": jnp.float16,
 }
 F16_TINY = 2.0**-24  # smallest float16 subnormal; half of it rounds to zero
 F16_NORMAL = 2.0**-14  # smallest normal float16
@@ -185,7 +192,7 @@ def underflow_fraction(grads: Any, reference: Any) -> jax.Array:
 
 
 def make_optimizer(mode: str, config: Config) -> optax.GradientTransformation:
-    """Adam, wrapped by jls in the ``f16-jls`` and ``bf16`` modes.
+    """Adam, wrapped by jls in the ``f16-jls``, ``bf16`` and ``f16-state`` modes.
 
     Example:
       >>> import jax.numpy as jnp, jls
@@ -204,6 +211,14 @@ def make_optimizer(mode: str, config: Config) -> optax.GradientTransformation:
         return jls.loss_scaling(adam, scaler, scale_stats=True)
     if mode == "bf16":
         return jls.loss_scaling(adam, jls.no_scale())
+    if mode == "f16-state":  # float16 parameters and moments, no float32 copy
+        scaler = jls.dynamic_scale(
+            config.init_scale, growth_interval=config.growth_interval
+        )
+        inner = jls.precision.stochastic_rounding(
+            jls.precision.scaled_state(adam), seed=config.seed
+        )
+        return jls.loss_scaling(inner, scaler)
     return adam
 
 
@@ -279,10 +294,17 @@ def train_mode(
     if not 0 < batch <= n:
         raise ValueError(f"batch must be in [0, {n}], got {config.batch!r}")
     tx = make_optimizer(mode, config)
-    uses_jls = mode in ("f16-jls", "bf16")
+    uses_jls = mode in ("f16-jls", "bf16", "f16-state")
     sizes = [x_train.shape[1], *[config.width] * config.depth, 10]
     params = init_params(jax.random.key(config.seed), sizes)
+    if mode == "f16-state":  # the parameters themselves in float16
+        params = jax.tree.map(lambda p: p.astype(jnp.float16), params)
     opt_state = tx.init(params)
+    # The parameters and the optimizer's own state (not jls's few scalars).
+    inner_state = opt_state.inner_state if uses_jls else opt_state
+    state_bytes = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves((params, inner_state))
+    )
     data_key = jax.random.key(config.seed + 1)
 
     def gradients(params, opt_state, xb, yb):
@@ -330,7 +352,8 @@ def train_mode(
             one_step, (params, opt_state), steps
         )
         grads, _ = gradients(params, opt_state, x_train, y_train)
-        reference = jax.grad(loss_fn)(params, x_train, y_train, jnp.float32)
+        wide = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        reference = jax.grad(loss_fn)(wide, x_train, y_train, jnp.float32)
         frac = underflow_fraction(grads, reference)
         next_scale = jls.metrics(opt_state)["loss_scale"] if uses_jls else 1.0
         return params, opt_state, records, frac, next_scale
@@ -364,11 +387,14 @@ def train_mode(
     final_loss = float(loss_fn(params, x_train, y_train, jnp.float32))
     logits = forward(params, x_test, jnp.float32)
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
+    test_loss = float(loss_fn(params, x_test, y_test, jnp.float32))
     tail = max(1, len(history.underflow) // 10)
     row = {
         "mode": mode,
         "final_loss": final_loss,
         "test_accuracy": accuracy,
+        "test_loss": test_loss,
+        "state_bytes": int(state_bytes),
         "skipped_steps": int(sum(history.skipped)) if uses_jls else None,
         "nonfinite_steps": int(sum(history.skipped)),
         "final_scale": float(next_scale) if uses_jls else None,
@@ -394,17 +420,22 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
     Example:
       >>> import demo
-      >>> row = {"mode": "f16-jls", "final_loss": 1e-6, "test_accuracy": 0.99,
-      ...        "skipped_steps": 3, "final_scale": 2.0**30, "underflow_mean": 0.001,
-      ...        "underflow_final": 0.0, "seconds": 9.5}
-      >>> print(demo.format_table([row]))  # doctest: +NORMALIZE_WHITESPACE
-      mode      final loss  test acc  skipped  final scale  underflow  at end  time s
-      -------------------------------------------------------------------------------
-      f16-jls    1.000e-06     0.990        3        2**30       0.1%    0.0%     9.5
+      >>> row = {"mode": "f16-jls", "final_loss": 1e-6, "test_loss": 0.09,
+      ...        "test_accuracy": 0.99, "skipped_steps": 3, "final_scale": 2.0**30,
+      ...        "underflow_mean": 0.001, "underflow_final": 0.0,
+      ...        "state_bytes": 1106044, "seconds": 9.5}
+      >>> table = demo.format_table([row])
+      >>> print(table)  # doctest: +NORMALIZE_WHITESPACE +ELLIPSIS
+      mode      final loss  test loss  test acc  skipped  final scale  underflow ...
+      -----------------------------------------------------------------------...
+      f16-jls    1.000e-06     0.0900     0.990        3        2**30       0.1% ...
+      >>> table.splitlines()[2][-22:]  # underflow at end, MB, time s
+      '   0.0%   1.11     9.5'
     """
     header = (
-        f"{'mode':<8} {'final loss':>11} {'test acc':>9} {'skipped':>8} "
-        f"{'final scale':>12} {'underflow':>10} {'at end':>7} {'time s':>7}"
+        f"{'mode':<8} {'final loss':>11} {'test loss':>10} {'test acc':>9} "
+        f"{'skipped':>8} {'final scale':>12} {'underflow':>10} {'at end':>7} "
+        f"{'MB':>6} {'time s':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -417,10 +448,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         else:
             scale_text = f"{scale:g}"
         lines.append(
-            f"{r['mode']:<8} {r['final_loss']:>11.3e} {r['test_accuracy']:>9.3f} "
-            f"{skipped:>8} {scale_text:>12} "
+            f"{r['mode']:<8} {r['final_loss']:>11.3e} {r['test_loss']:>10.4f} "
+            f"{r['test_accuracy']:>9.3f} {skipped:>8} {scale_text:>12} "
             f"{100 * r['underflow_mean']:>9.1f}% {100 * r['underflow_final']:>6.1f}% "
-            f"{r['seconds']:>7.1f}"
+            f"{r['state_bytes'] / 1e6:>6.2f} {r['seconds']:>7.1f}"
         )
     return "\n".join(lines)
 
@@ -656,8 +687,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         prog="python examples/demo.py",
         description=(
             "Train a 6-layer MLP on scikit-learn's digits in float32, float16 "
-            "without loss scaling, float16 with jls dynamic loss scaling, and "
-            "bfloat16 (float32 master weights), and show what float16 "
+            "without loss scaling, float16 with jls dynamic loss scaling, "
+            "bfloat16 (float32 master weights), and float16 with no float32 "
+            "copy, and show what float16 "
             "underflow does to training. Prints a table and writes demo.png "
             "and summary.json to --out."
         ),
@@ -666,9 +698,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "plain optax, no loss scaling; f16-jls = float16 compute with "
             f"jls.loss_scaling(dynamic_scale(2**{math.log2(defaults.init_scale):g}, "
             f"growth_interval={defaults.growth_interval})); bf16 = "
-            "bfloat16 compute with jls.no_scale() (skip non-finite steps). "
+            "bfloat16 compute with jls.no_scale() (skip non-finite steps); "
+            "f16-state = f16-jls with float16 parameters and Adam moments "
+            "(jls.precision.scaled_state, jls.precision.stochastic_rounding), "
+            "no float32 copy. "
             "Columns: final loss = training loss at the end, evaluated in "
-            "float32; underflow = of the gradient entries nonzero in float32 "
+            "float32; test loss = the same on the 360 held-out digits; MB = "
+            "the parameters and the optimizer's state; underflow = of the "
+            "gradient entries nonzero in float32 "
             "at the same parameters, the fraction that is exactly 0 in the "
             "mode's gradients, averaged over the run and over its last tenth "
             "(at end); time s = training time without compilation. Needs the "

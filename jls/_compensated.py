@@ -6,20 +6,25 @@ half of ``p``'s last place. Two optax-native remedies, each wrapping an
 optimizer (inside or outside `jls.loss_scaling`):
 
 * `compensated`: Kahan summation. The part of each update the parameter
-  could not hold is kept in a buffer (optimizer state, in the parameters'
-  dtype) and added to the next update.
+  could not hold is kept in a buffer (optimizer state: an integer count of
+  a fraction of the parameter's last place, int16 by default) and added to
+  the next update.
 * `stochastic_rounding`: the updated parameter is rounded up or down at
   random, with the probabilities that make the rounding unbiased.
 
 Both return updates that `optax.apply_updates` (and the fused
 `jls.apply_gradients`) land exactly on the rounded parameter: the update is
 ``new - p`` in float32 (the tests check the landing over dtypes and
-exponent gaps). Kahan's buffer holds the lost part as float32 computes it:
-exact while ``p`` and ``new`` are within about 13 binary orders of each
-other (float32's 24 bits against float16's 11); past that, and below the
-buffer dtype's smallest subnormal (2**-25 in float16), what is lost stays
-lost. The work is elementwise and XLA fuses it into the
-optimizer's update: no extra pass over the parameters.
+exponent gaps). Kahan's lost part is at most half of the new parameter's
+spacing, so it is stored relative to that spacing, to 16 bits (int16) or 8
+(int8): a bfloat16 parameter with an int16 buffer holds its sum to 24
+bits, as finely as a float32 copy would at every step size, for the 2
+bytes a bfloat16 buffer would cost. (A buffer in the parameter's dtype,
+the design this replaced, cannot add a step below its own last place to
+itself: in bfloat16 it lost every step below about ``|p| * 2**-17``.) The
+lost part is computed in float32: exact while ``p`` and ``new`` are within
+about 13 binary orders of each other (float32's 24 bits against float16's
+11). The work is elementwise and XLA fuses it into the optimizer's update.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class CompensatedState(NamedTuple):
     Attributes:
       inner_state: the wrapped optimizer's state.
       compensation: per parameter, the part of the updates it could not
-        hold yet, in the parameter's dtype.
+        hold yet: an int16 (or int8) count of ``2**-16`` (``2**-8``) of the
+        parameter's spacing (``None`` for non-floating leaves).
     """
 
     inner_state: Any
@@ -90,30 +96,93 @@ def _saturated(x: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
 
 
-def _kahan(p: Any, u: Any, c: Any) -> tuple[Any, Any]:
-    """``(update, compensation)`` of one leaf: Kahan's sum in at least float32.
+def _buffer_dtype(value: Any) -> np.dtype:
+    for dtype in (np.dtype(np.int16), np.dtype(np.int8)):
+        if value is not None and value is not True and value == dtype:
+            return dtype
+    raise ValueError(f"buffer_dtype must be 'int16' or 'int8', got {value!r}")
+
+
+def _unit_exponent(new: jax.Array, dtype: Any, wide: Any) -> jax.Array:
+    """``e`` with ``2**e`` the spacing of ``dtype`` just above ``|new|`` (int32).
+
+    Clamped to the compute dtype's smallest normal exponent, so that
+    ``2**-e`` and ``2**e`` are normal there (XLA:CPU flushes subnormals).
+    """
+    info = jnp.finfo(dtype)
+    _, exponent = jnp.frexp(jnp.abs(new))  # |new| in [2**(x-1), 2**x)
+    top = jnp.where(new == 0, info.minexp, jnp.maximum(exponent - 1, info.minexp))
+    return jnp.maximum(top - info.nmant, jnp.finfo(wide).minexp).astype(jnp.int32)
+
+
+def _buffer_value(k: Any, new: jax.Array, dtype: Any, wide: Any) -> jax.Array:
+    """The compensation ``k`` holds beside the parameter ``new``, in ``wide``."""
+    bits = np.dtype(k.dtype).itemsize * 8
+    e = _unit_exponent(new, dtype, wide)
+    frac = k.astype(wide) * np.asarray(2.0**-bits, wide)  # exact
+    return frac * jnp.ldexp(jnp.ones((), wide), e)
+
+
+def _units(lost: Any, new: Any, dtype: Any, wide: Any, bits: int) -> Any:
+    """``lost`` in units of ``2**-bits`` of ``new``'s spacing, rounded (float)."""
+    e = _unit_exponent(new, dtype, wide)
+    scaled = lost * jnp.ldexp(jnp.ones((), wide), -e)  # exact: powers of two
+    return jnp.round(scaled * np.asarray(2.0**bits, wide))
+
+
+def _kahan(p: Any, u: Any, k: Any) -> tuple[Any, Any]:
+    """``(update, buffer)`` of one leaf: Kahan's sum in at least float32.
 
     Finite sums saturate at the dtype's largest value, as plain rounding
     does, so the buffer can never carry a finite run to inf and then nan.
+    The buffer holds the lost part in units of ``2**-bits`` of the new
+    parameter's spacing, rounded to nearest. The lost part is at most half
+    of that spacing, which the buffer's largest count falls one unit short
+    of: when a parameter that stayed has a lost part that rounds past it,
+    the parameter moves one place toward it instead and the buffer keeps
+    the rest (of the other sign), so steps too small to pass the half one
+    at a time still carry it over (at most a unit is lost there).
     """
     if not _floating(p) or u is None:
-        return u, c
-    p, u, c = _checked("compensated", p), jnp.asarray(u), jnp.asarray(c)
+        return u, k
+    p, u, k = _checked("compensated", p), jnp.asarray(u), jnp.asarray(k)
     wide = compute_dtype(p.dtype)
-    y = u.astype(wide) + c.astype(wide)
-    new = _saturated(p.astype(wide) + y, p.dtype).astype(p.dtype)
-    step = new.astype(wide) - p.astype(wide)
-    return step, _saturated(y - step, p.dtype).astype(p.dtype)
+    bits = np.dtype(k.dtype).itemsize * 8
+    top = np.asarray(2.0 ** (bits - 1) - 1, wide)
+    p_wide = p.astype(wide)
+    y = u.astype(wide) + _buffer_value(k, p_wide, p.dtype, wide)
+    new = _saturated(p_wide + y, p.dtype).astype(p.dtype)
+    units = _units(
+        y - (new.astype(wide) - p_wide), new.astype(wide), p.dtype, wide, bits
+    )
+    # A parameter that stayed with the half (or more, saturated) to carry:
+    # one place toward it. (One that moved keeps the other half, clipped.)
+    toward = jnp.where(units > 0, jnp.inf, -jnp.inf).astype(p.dtype)
+    after = jnp.nextafter(new, toward)
+    carry = (jnp.abs(units) > top) & (new == p) & jnp.isfinite(after)
+    new = jnp.where(carry, after, new)
+    step = new.astype(wide) - p_wide
+    units = _units(y - step, new.astype(wide), p.dtype, wide, bits)
+    units = jnp.where(jnp.isfinite(units), jnp.clip(units, -top, top), 0)
+    return step, units.astype(k.dtype)
 
 
 def compensated(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation, *, buffer_dtype: Any = "int16"
 ) -> optax.GradientTransformationExtraArgs:
     """Kahan-compensated parameter updates around ``inner``.
 
-    Each parameter keeps a compensation buffer (in its own dtype): the part
-    of the updates that ``p + u`` rounded away. The next update adds it
-    back, so small updates accumulate instead of vanishing. The returned
+    Each parameter keeps a compensation buffer: the part of the updates that
+    ``p + u`` rounded away. The next update adds it back, so small updates
+    accumulate instead of vanishing. The lost part is at most half of the
+    new parameter's spacing (its last place), so the buffer stores it as an
+    integer count of ``2**-bits`` of that spacing: an int16 buffer (2 bytes
+    per parameter, what a bfloat16 or float16 buffer costs) holds it to 16
+    more bits, a bfloat16 parameter and its buffer together to float32's 24
+    bits, at every step size (a buffer in the parameter's own dtype loses
+    every update below about ``|p| * 2**-17`` in bfloat16: it cannot add
+    them to itself). ``buffer_dtype="int8"`` costs 1 byte per parameter and
+    holds 8 more bits. The returned
     update is ``new - p`` in float32 (the compute dtype, at least float32),
     where ``new`` is ``p + u + compensation`` rounded to the parameter's
     dtype: `optax.apply_updates` lands exactly on ``new`` for float16 and
@@ -123,10 +192,16 @@ def compensated(
     Args:
       inner: the optimizer whose updates are compensated (any optax
         transformation; extra arguments are forwarded).
+      buffer_dtype: ``"int16"`` (default) or ``"int8"``: the buffer's
+        dtype, and so its memory (2 or 1 bytes per parameter) and precision
+        (16 or 8 bits below the parameter's last place).
 
     Returns:
       An optax transformation; its state is a ``CompensatedState``
       (``inner_state``, ``compensation``).
+
+    Raises:
+      ValueError: for a ``buffer_dtype`` other than int16 or int8.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -140,10 +215,12 @@ def compensated(
       Array([0.898438, 0.898438], dtype=bfloat16)
     """
     inner = checked_inner(inner)
+    buffer = _buffer_dtype(buffer_dtype)
 
     def init(params: Any) -> CompensatedState:
         zeros = jax.tree.map(
-            lambda p: jnp.zeros_like(p) if _floating(p) else None, params
+            lambda p: jnp.zeros(jnp.shape(p), buffer) if _floating(p) else None,
+            params,
         )
         return CompensatedState(inner.init(params), zeros)
 

@@ -16,7 +16,8 @@ One loss-scaled step, inside ``jit``, for every entry point (``tx.update``,
    applying computation unscales the gradients with one multiplication
    that XLA fuses into the optimizer's update, runs the inner optimizer and,
    on the fused path, adds the updates; a skipped step leaves every leaf as
-   it was), the scale rule, and each hook's record.
+   it was; a hook that reads the applied updates reads them there, on the
+   steps it asks), the scale rule, and each hook's record.
 
 `step` chains them: the documented internal entry point. `jls.train_step`
 calls them itself, `decide` once per attempt (its retries). With
@@ -50,7 +51,7 @@ from jls._decision import (
     same_on_replicas,
     vetoes,
 )
-from jls._hooks import LossScalingState, StepInfo
+from jls._hooks import LossScalingState, StepInfo, read_updates
 from jls._off import off_step, warn_float16
 from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
 from jls._state import LossScaleState, check_state
@@ -201,21 +202,28 @@ def finish(
         factors = reciprocals(state.loss_scale.scale, grads, two_factor=two)
     shrink = gradient_factor(config, state.hooks, info)
 
-    def taken(operands):
+    readers = [
+        h for h in config.hooks if h.reads_updates(state.hooks[h.name]) is not None
+    ]
+
+    def taken(operands):  # ((the outputs, the hooks' reads), the inner state)
         grads, inner_state, params = operands
         if factors or shrink is not None:  # no factors: the scale is 1 forever
             grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
         updates, inner_state = config.inner.update(grads, inner_state, params, **args)
-        if fused:
-            return optax.apply_updates(params, updates), inner_state
-        return updates, inner_state
+        new = optax.apply_updates(params, updates) if fused or readers else None
+        reads = read_updates(readers, state.hooks, params, new, updates)
+        return ((new if fused else updates), reads), inner_state
 
-    def skipped(operands, out):
+    def skipped(operands, shapes):
         grads, inner_state, params = operands
+        (out, reads), inner = shapes
+        nothing = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), reads)
         if fused:
-            return _cond.cast_like((params, inner_state), out)
-        zeros = _cond.zeros_like(out[0], grads, params)
-        return zeros, _cond.cast_like(inner_state, out[1])
+            kept, kept_state = _cond.cast_like((params, inner_state), (out, inner))
+            return (kept, nothing), kept_state
+        zeros = _cond.zeros_like(out, grads, params)
+        return (zeros, nothing), _cond.cast_like(inner_state, inner)
 
     # With skip_nonfinite and no veto, finite == applied: the rule reads one flag.
     known = config.scaler.skip_nonfinite and not vetoed
@@ -235,10 +243,10 @@ def finish(
         hold = held & ~applied
         return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
 
-    (out, inner_state), loss_scale = _substitute.substituted(
+    ((out, reads), inner_state), loss_scale = _substitute.substituted(
         apply, taken, skipped, (grads, state.inner_state, params), adjusted
     )
-    after = info._replace(applied=apply, loss_scale=loss_scale)
+    after = info._replace(applied=apply, loss_scale=loss_scale, reads=reads)
     no_veto = jnp.asarray(False)
     hooks = {
         h.name: h.update(state.hooks[h.name], after, vetoed.get(h.name, no_veto))

@@ -13,7 +13,9 @@ it. A step, inside ``jit``:
    `Hook.gradient_factor` may shrink the step instead (clipping a spike): a
    scalar the unscaled gradients are multiplied by, in the same pass that
    unscales them.
-3. The update is applied or skipped, and the scale rule advances.
+3. The update is applied or skipped, and the scale rule advances. A hook
+   that reads the updates (`Hook.read_updates`: `jls.hooks.Stagnation`) reads
+   them beside the update, on the steps its `Hook.reads_updates` says.
 4. Each hook's `Hook.update` records what it keeps (statistics, flags).
 
 A user's own veto, in a few lines::
@@ -40,6 +42,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
+import jax.numpy as jnp
 
 from jls._state import LossScaleState
 
@@ -110,6 +113,10 @@ class StepInfo(NamedTuple):
         axes given as its second argument.
       axis_name: the transformation's ``axis_name``, a tuple (empty without
         one): the axes a hook's own collectives reduce over.
+      reads: in `Hook.update`, what the hooks read of this step's updates,
+        by name (`Hook.read_updates`; zeros of its types on a step that
+        read nothing, and not applied values on a skipped step: check
+        ``applied``). ``None`` in `Hook.veto`.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -139,6 +146,7 @@ class StepInfo(NamedTuple):
         jax.numpy.asarray(True)
     )
     axis_name: tuple[str, ...] = ()
+    reads: dict[str, Any] | None = None
 
 
 class Hook:
@@ -229,6 +237,33 @@ class Hook:
         del state, info
         return None
 
+    def reads_updates(self, state: Any) -> Any:
+        """Whether to read this step's updates (`read_updates`).
+
+        ``None`` (the default): never; ``True``: every step, inline with the
+        update; a traced scalar bool: the steps it is true on, which a hook
+        that samples (one step in ``n``) says from its state. The step then
+        reads inside a conditional of its own, so the steps between pay
+        nothing (in a step that donates; without donation the conditional
+        holds the gradients).
+        """
+        del state
+        return None
+
+    def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
+        """What the hook reads of the updates (a pytree of arrays).
+
+        Computed inside the step's applying branch, beside the update (on the
+        fused path the updates are never a tree in memory): ``updates`` are
+        the inner optimizer's unscaled updates, ``new_params`` the
+        parameters they make (``optax.apply_updates``; ``None`` for the
+        leaves the step does not update). The parameters before the step
+        are not offered: reading them beside their in-place update makes
+        XLA copy them. `update` gets the result as ``info.reads[name]``.
+        """
+        del state, new_params, updates
+        return ()
+
     def update(self, state: Any, info: StepInfo, vetoed: jax.Array) -> Any:
         """The hook's state after the step (``vetoed``: this hook skipped it)."""
         del info, vetoed
@@ -256,3 +291,38 @@ def hook_metrics(hooks: dict[str, Any]) -> dict[str, Any]:
                 )
             out[key] = value
     return out
+
+
+def read_updates(
+    readers: list[Hook], states: dict[str, Any], params: Any, new: Any, updates: Any
+) -> dict[str, Any]:
+    """Each reading hook's `Hook.read_updates`, by name, on the steps it asks.
+
+    A hook that reads every step (``reads_updates`` is ``True``) reads
+    inline; one that samples reads inside a ``lax.cond`` of its own, whose
+    other branch gives zeros, so the steps between compute nothing (the
+    conditional's outputs are the reads alone: no buffer of the state passes
+    through it).
+    """
+    if readers and params is None:
+        raise TypeError(
+            f"the hooks {[h.name for h in readers]} read the updates and need the "
+            "parameters: call tx.update(grads, opt_state, params)"
+        )
+    reads = {}
+    for hook in readers:
+        state = states[hook.name]
+        when = hook.reads_updates(state)
+
+        def now(hook=hook, state=state):
+            return hook.read_updates(state, new, updates)
+
+        if when is True:
+            reads[hook.name] = now()
+        else:
+            types = jax.eval_shape(now)
+            zeros = lambda t=types: jax.tree.map(  # noqa: E731
+                lambda s: jnp.zeros(s.shape, s.dtype), t
+            )
+            reads[hook.name] = jax.lax.cond(jnp.asarray(when), now, zeros)
+    return reads

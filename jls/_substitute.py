@@ -18,8 +18,8 @@ overwritten.
 
 Exact: where the step applies, each selected leaf is the new one bitwise,
 so every later equation computes what it computed before; where it does
-not, the state is the old state and the outputs (the parameters, or the
-updates) are selected away too (the old parameters, or zero updates).
+not, every result is its old value (the old parameters and state, or zero
+updates), whatever the later equations computed from them.
 Nested programs (a ``jit``, a ``lax.cond``, a ``custom_jvp`` in the inner
 optimizer) are bound as they were traced; a state leaf one of them makes is
 selected where it returns.
@@ -56,12 +56,14 @@ def substituted(
     jaxpr = closed.jaxpr
     old_out, old_state = skip(operands, shapes)
     n_out = len(jax.tree.leaves(shapes[0]))
-    state_vars = jaxpr.outvars[n_out:]
-    old_leaves = jax.tree.leaves(old_state)
+    # Every result (the outputs and the state) is selected where it is made:
+    # a later equation (a hook's read of the new parameters) then reads the
+    # selected value, and nothing reads a result beside its in-place update.
+    old_leaves = jax.tree.leaves(old_out) + jax.tree.leaves(old_state)
     made = {e for eqn in jaxpr.eqns for e in eqn.outvars}
-    kept: dict[Any, Any] = {}  # a state leaf an equation makes -> its old value
-    for v, old in zip(state_vars, old_leaves, strict=True):
-        if v in made:
+    kept: dict[Any, Any] = {}  # a result an equation makes -> its old value
+    for v, old in zip(jaxpr.outvars, old_leaves, strict=True):
+        if isinstance(v, jcore.Var) and v in made:
             kept.setdefault(v, old)
 
     env: dict[Any, Any] = {}
@@ -83,19 +85,19 @@ def substituted(
                 x = select(apply, x, kept[v], weak=jax.typeof(x).weak_type)
             env[v] = x
 
-    leaves = [read(v) for v in jaxpr.outvars[:n_out]]
-    new_out = jax.tree.unflatten(jax.tree.structure(shapes[0]), leaves)
-    out = jax.tree.map(lambda n, o: select(apply, n, o), new_out, old_out)
     # The selected leaf, typed as the old one (as `select` types it); selected
-    # anew where one variable of the program is two state leaves whose old
-    # values may differ.
-    state = [
-        _typed_as_old(env[v], old)
-        if v in raw and old is kept[v]
-        else select(apply, raw[v] if v in raw else read(v), old)
-        for v, old in zip(state_vars, old_leaves, strict=True)
-    ]
-    state = jax.tree.unflatten(jax.tree.structure(shapes[1]), state)
+    # anew where one variable of the program is two results whose old values
+    # may differ, or where no equation made it (an input passed through).
+    def result(v: Any, old: Any) -> Any:
+        if isinstance(v, jcore.Literal):
+            return select(apply, v.val, old)
+        if v in raw and old is kept[v]:
+            return _typed_as_old(env[v], old)
+        return select(apply, raw.get(v, env[v]), old)
+
+    leaves = [result(v, o) for v, o in zip(jaxpr.outvars, old_leaves, strict=True)]
+    out = jax.tree.unflatten(jax.tree.structure(shapes[0]), leaves[:n_out])
+    state = jax.tree.unflatten(jax.tree.structure(shapes[1]), leaves[n_out:])
     return (out, state), after(apply)
 
 

@@ -37,6 +37,12 @@ from jls._norm import GradientNorm, GradientNormState
 from jls._replicas import ReplicaCheck, ReplicaCheckState
 from jls._scale_stats import ScaleStats, ScaleStatsState
 from jls._spikes import SpikeRule, SpikeState
+from jls._stagnation import (
+    Stagnation,
+    StagnationState,
+    StagnationWarning,
+    warn_if_stagnant,
+)
 
 # Every built-in hook, with the keyword of jls.loss_scaling that adds it.
 _BUILTIN: dict[type[Hook], str] = {
@@ -47,6 +53,7 @@ _BUILTIN: dict[type[Hook], str] = {
     SpikeRule: "skip_spikes=",
     ReplicaCheck: "check_replicas=",
     ScaleStats: "scale_stats=",
+    Stagnation: "hooks=(Stagnation(),)",
 }
 
 
@@ -89,8 +96,12 @@ __all__ = [
     "ScaleStatsState",
     "SpikeRule",
     "SpikeState",
+    "Stagnation",
+    "StagnationState",
+    "StagnationWarning",
     "StepInfo",
     "builtin_metrics",
     "nonfinite_paths",
     "raise_if_diverged",
+    "warn_if_stagnant",
 ]

@@ -6,7 +6,8 @@ runs the matmuls in half precision and the ops that need range in float32;
 `precision_report` shows which dtype every matmul, range-sensitive op and
 collective of a function really computes in; `compensated` and
 `stochastic_rounding` keep low-precision parameters moving without a
-float32 master copy.
+float32 master copy, and `scaled_state` keeps an optimizer's state in
+float16 without underflow.
 
 Example:
   >>> import jax.numpy as jnp, jls
@@ -20,13 +21,16 @@ from jls._autocast import autocast
 from jls._compensated import compensated, stochastic_rounding
 from jls._policy import Policy, get_policy
 from jls._precision import PrecisionReport, precision_report
+from jls._scaled_state import ScaledState, scaled_state
 
 __all__ = [
     "Policy",
     "PrecisionReport",
+    "ScaledState",
     "autocast",
     "compensated",
     "get_policy",
     "precision_report",
+    "scaled_state",
     "stochastic_rounding",
 ]

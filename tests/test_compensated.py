@@ -23,28 +23,116 @@ def _given():
     return optax.sgd(-1.0)  # update == gradient
 
 
+def _spacing(x, dtype):
+    """numpy: the spacing of ``dtype`` just above ``|x|`` (float64)."""
+    info = ml_dtypes.finfo(dtype) if dtype == jnp.bfloat16 else np.finfo(dtype)
+    x = np.abs(np.asarray(x, np.float64))
+    _, e = np.frexp(x)
+    top = np.where(x == 0, info.minexp, np.maximum(e - 1, info.minexp))
+    return np.exp2(np.maximum(top - info.nmant, -126).astype(np.float64))
+
+
 @given(
     dtype=st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32]),
     gap=st.integers(0, 40),
+    bits=st.sampled_from([8, 16]),
     seed=st.integers(0, 2**16),
 )
-def test_apply_updates_lands_exactly_on_the_compensated_value(dtype, gap, seed):
+def test_apply_updates_lands_exactly_on_the_compensated_value(dtype, gap, bits, seed):
     # p in [1, 2) * 2**e; the update 2**-gap times smaller, either sign; a
-    # compensation already in the buffer. Reference: numpy, float32 sums.
+    # compensation already in the buffer (a count of 2**-bits of p's
+    # spacing). Reference: numpy, float64 sums of float32 values.
     rng = np.random.default_rng(seed)
     p = (rng.uniform(1, 2, 64) * 2.0 ** rng.integers(-8, 8, 64)).astype(dtype)
     u = (p.astype(np.float32) * rng.uniform(-1, 1, 64) * 2.0**-gap).astype(np.float32)
-    c = (u * rng.uniform(-0.5, 0.5, 64)).astype(dtype)
-    tx = jls.precision.compensated(_given())
-    state = tx.init(jnp.asarray(p))._replace(compensation=jnp.asarray(c))
+    top = 2 ** (bits - 1) - 1
+    k = rng.integers(-top, top + 1, 64).astype(f"int{bits}")
+    tx = jls.precision.compensated(_given(), buffer_dtype=f"int{bits}")
+    state = tx.init(jnp.asarray(p))._replace(compensation=jnp.asarray(k))
     step, state = jax.jit(tx.update)(jnp.asarray(u), state, jnp.asarray(p))
     new = optax.apply_updates(jnp.asarray(p), step)
-    y = u + c.astype(np.float32)
+    c = k.astype(np.float64) * 2.0**-bits * _spacing(p, dtype)
+    y = (u.astype(np.float64) + c).astype(np.float32)  # the sum float32 holds
     want = (p.astype(np.float32) + y).astype(dtype)
+
+    def units_of(new):
+        lost = y.astype(np.float64) - (new.astype(np.float64) - p.astype(np.float64))
+        return np.round(lost / _spacing(new, dtype) * 2.0**bits)
+
+    # A parameter that stayed, its lost part past the buffer's largest count
+    # (the half): one place toward it.
+    carry = (np.abs(units_of(want)) > top) & (want == p)
+    toward = np.where(units_of(want) > 0, np.inf, -np.inf).astype(dtype)
+    want = np.where(carry, np.nextafter(want, toward), want).astype(dtype)
     np.testing.assert_array_equal(np.asarray(new), want)
     assert new.dtype == dtype
-    lost = (y - (want.astype(np.float32) - p.astype(np.float32))).astype(dtype)
-    np.testing.assert_array_equal(np.asarray(state.compensation), lost)
+    units = np.clip(units_of(want), -top, top)
+    np.testing.assert_array_equal(np.asarray(state.compensation), units)
+    assert state.compensation.dtype == np.dtype(f"int{bits}")
+
+
+def _move(tx, dtype, size, steps):
+    """The mean move of 8 parameters at 1 after ``steps`` updates of ``size``."""
+    p = jnp.full(8, 1.0, dtype)
+    g = jnp.full(8, -size, jnp.float32)  # sgd(1.0): the update is size
+
+    @jax.jit
+    def run(p, s):
+        def body(carry, _):
+            p, s = carry
+            u, s = tx.update(g, s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        return jax.lax.scan(body, (p, s), None, length=steps)[0][0]
+
+    return float(np.mean(np.asarray(run(p, tx.init(p)), np.float64) - 1.0))
+
+
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("size", [2e-6, 1e-6, -2e-6, -1e-6])
+def test_kahan_recovers_the_float32_move_at_steps_far_below_the_last_place(dtype, size):
+    # |p| = 1: bfloat16's last place is 2**-7 (2**-8 below 1), 4000 times
+    # these steps. A buffer in the parameter's dtype recovered 0% in
+    # bfloat16 (it could not add them to itself). 100,000 steps: the move
+    # (0.1 to 0.2) is 25 or more of the final parameter's half-spacings.
+    steps = 100_000
+    master = _move(optax.sgd(1.0), jnp.float32, size, steps)
+    kahan = _move(jls.precision.compensated(optax.sgd(1.0)), dtype, size, steps)
+    plain = _move(optax.sgd(1.0), dtype, size, steps)
+    assert plain == 0.0  # every step rounded away
+    assert 0.95 <= kahan / master <= 1.05, (kahan, master)
+
+
+@pytest.mark.parametrize(("dtype", "bits"), [(jnp.bfloat16, 16), (jnp.float16, 8)])
+def test_a_full_buffer_carries_the_half_over(dtype, bits):
+    # The buffer's largest count is one unit short of half a place: a step
+    # of 0.6 units on a full buffer still moves the parameter a place (it
+    # used to stay, the buffer clipped, every later step of that size lost).
+    top = 2 ** (bits - 1) - 1
+    p = jnp.ones(4, dtype)
+    spacing = float(jnp.finfo(dtype).eps)  # the spacing above 1
+    tx = jls.precision.compensated(optax.sgd(-1.0), buffer_dtype=f"int{bits}")
+    state = tx.init(p)._replace(compensation=jnp.full(4, top, f"int{bits}"))
+    u = jnp.full(4, 0.6 * spacing * 2.0**-bits, jnp.float32)
+    step, state = tx.update(u, state, p)
+    new = optax.apply_updates(p, step)
+    assert new.tolist() == [1.0 + spacing] * 4
+    # What is left, half a place less a little, is kept (of the other sign).
+    assert state.compensation.tolist() == [-top] * 4
+
+
+def test_the_buffer_costs_what_its_dtype_says():
+    params = {"w": jnp.ones((3, 5), jnp.bfloat16), "n": jnp.arange(2)}
+    for buffer_dtype, itemsize in (("int16", 2), ("int8", 1), (jnp.int8, 1)):
+        state = jls.precision.compensated(
+            optax.sgd(1.0), buffer_dtype=buffer_dtype
+        ).init(params)
+        assert state.compensation["w"].dtype.itemsize == itemsize
+        assert state.compensation["w"].shape == (3, 5)
+        assert state.compensation["n"] is None
+    for bad in ("float16", jnp.int32, None):
+        with pytest.raises(ValueError, match="buffer_dtype must be 'int16' or 'int8'"):
+            jls.precision.compensated(optax.sgd(1.0), buffer_dtype=bad)
 
 
 @pytest.mark.parametrize("dtype", NARROW)

@@ -63,6 +63,28 @@ class HoldOnNanLoss(jls.hooks.Hook):
         return ~jnp.isfinite(info.loss)
 
 
+class SumUpdates(jls.hooks.Hook):
+    """Reads the sum of the applied updates and new parameters, every other step."""
+
+    name = "sum_updates"
+
+    def init(self, params):
+        return {"count": jnp.int32(0), "seen": jnp.zeros(2)}
+
+    def reads_updates(self, state):
+        return state["count"] % 2 == 0
+
+    def read_updates(self, state, new_params, updates):
+        total = sum(jnp.sum(u) for u in jax.tree.leaves(updates))
+        return jnp.stack([total, sum(jnp.sum(p) for p in jax.tree.leaves(new_params))])
+
+    def update(self, state, info, vetoed):
+        assert info.reads is not None  # in update, always
+        read = info.applied & (state["count"] % 2 == 0)
+        seen = jnp.where(read, info.reads[self.name], state["seen"])
+        return {"count": state["count"] + 1, "seen": seen}
+
+
 PARAMS = {"w": jnp.ones(4), "b": jnp.zeros(2)}
 
 
@@ -135,6 +157,34 @@ def test_a_holding_veto_leaves_the_scale_rule_where_it_was():
     plain = jls.loss_scaling(optax.sgd(0.1), scaler)
     _, other = plain.update(_grads(jnp.nan), plain.init(PARAMS), PARAMS)
     assert float(jls.metrics(other)["loss_scale"]) == 2.0**9
+
+
+@pytest.mark.parametrize("donated", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(donated, fused):
+    # sgd(0.5): the updates are -0.5 * g; read on calls 0, 2, 4 (call 2 is
+    # skipped: nothing read), held between.
+    tx = jls.loss_scaling(
+        optax.sgd(0.5), jls.no_scale(), hooks=[SumUpdates()], donated=donated
+    )
+
+    def step(g, s, p):
+        if fused:
+            return jls.apply_gradients(tx, g, s, p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step)
+    params, state = PARAMS, tx.init(PARAMS)
+    seen = []
+    for value in (1.0, 2.0, jnp.nan, 3.0, 4.0):
+        params, state = step(_grads(value), state, params)
+        seen.append(np.asarray(state.hooks["sum_updates"]["seen"]).tolist())
+    # Call 0: six updates of -0.5, the new parameters 4 * 0.5 + 2 * -0.5.
+    # Call 4: six of -2; the parameters were 1 - 0.5 * (1 + 2 + 3) = -2 (w)
+    # and -3 (b), and become -4 and -5: 4 * -4 + 2 * -5.
+    assert seen == [[-3.0, 1.0]] * 4 + [[-12.0, -26.0]]
+    chex.assert_max_traces(n=1)
 
 
 def test_hook_misuse_is_named():

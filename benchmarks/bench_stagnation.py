@@ -1,0 +1,135 @@
+"""What ``jls.hooks.Stagnation`` costs: the fused step with it against without it.
+
+``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation(every=n)])`` reads, on one
+applied step in ``n``, the fraction of parameter entries whose update is
+rounded away, beside the update (a second conditional runs the reading
+update; the first runs the plain one). This times the fused step
+(``jls.apply_gradients``, Adam, ``jls.dynamic_scale()``) with and without
+the hook, and plain Adam, on the models of ``bench_step.py``, donated and
+not, in interleaved rounds;
+ratios are to the fused step without the hook in the same donation mode.
+Each sample times ``--steps`` steps, so with ``every`` equal to it every
+sample holds exactly one measured step (``every16`` at the default 16,
+donated only: jls refuses sampling without donation); ``every1`` reads
+every step, inline. ``--params bfloat16`` casts the parameters (and so
+Adam's moments) to bfloat16, the case the hook is for. Run:
+``python benchmarks/bench_stagnation.py --model all --rounds 15``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jls
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_step  # noqa: E402
+
+DONATED = bench_step.DONATED
+
+
+def variants(loss_fn, params, every: int):
+    adam = optax.adam(1e-4)
+    scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
+    out = {}
+    for donated in (False, True):
+        jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ())
+        suffix = DONATED if donated else ""
+
+        def plain(params, state, batch):
+            grads = jax.grad(loss_fn)(params, batch)
+            updates, state = adam.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        out["plain" + suffix] = (jit(plain), adam.init(params))
+        configs = [
+            ("jls_fused", ()),
+            ("jls_fused_stagnation_every1", (jls.hooks.Stagnation(1),)),
+        ]
+        if donated:  # sampling needs a donating step (refused without)
+            configs.insert(
+                1,
+                (f"jls_fused_stagnation_every{every}", (jls.hooks.Stagnation(every),)),
+            )
+        for name, hooks in configs:
+            tx = jls.loss_scaling(adam, scaler, donated=donated, hooks=hooks)
+
+            def fused(params, state, batch, tx=tx):
+                grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(
+                    params
+                )
+                return jls.apply_gradients(tx, grads, state, params)
+
+            out[name + suffix] = (jit(fused), tx.init(params))
+    return out
+
+
+def base(key: str) -> str:
+    return "jls_fused" + DONATED if key.endswith(DONATED) else "jls_fused"
+
+
+def run(model: str, rounds: int, steps_per_sample: int, dtype: str) -> dict:
+    loss_fn, params, batch = bench_step.make_problem(model)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    made = variants(loss_fn, params, every=steps_per_sample)
+    facts = {
+        key: bench_step.compiled_stats(step, params, state, batch)
+        for key, (step, state) in made.items()
+    }
+    timed = {
+        key: (bench_step._pairwise(step), (jax.tree.map(jnp.copy, params), state))
+        for key, (step, state) in made.items()
+    }
+    times = bench_step.interleaved(timed, batch, rounds, steps_per_sample)
+    rows = bench_step.summary(times, base)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    return {
+        "model": f"{model} ({dtype} parameters)",
+        "params": int(n),
+        "leaves": len(jax.tree.leaves(params)),
+        "rounds": rounds,
+        "steps_per_sample": steps_per_sample,
+        "variants": {k: {**v, **facts[k]} for k, v in rows.items()},
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model", choices=["lm", "mlp", "char", "all"], default="char", help="model"
+    )
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
+    parser.add_argument(
+        "--steps", type=int, default=16, help="steps per sample (and every)"
+    )
+    parser.add_argument(
+        "--params", choices=["float32", "bfloat16"], default="float32", help="dtype"
+    )
+    parser.add_argument("--json", default="", help="write the results here")
+    args = parser.parse_args(argv)
+    models = ["lm", "mlp", "char"] if args.model == "all" else [args.model]
+    results = []
+    for m in models:
+        result = run(m, args.rounds, args.steps, args.params)
+        results.append(result)
+        text = bench_step.report(result)
+        print(text.replace("ratios to plain Adam", "ratios to jls_fused"), flush=True)
+        print()
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""`jls.hooks.Stagnation`: the fraction of updates rounded away, and its warning."""
+
+# pyright: reportIndexIssue=false, reportAttributeAccessIssue=false
+# pyright: reportArgumentType=false, reportCallIssue=false
+
+import functools
+import re
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jls
+
+
+def _step(tx, fused):
+    def step(g, s, p):
+        if fused:
+            return jls.apply_gradients(tx, g, s, p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return step
+
+
+def _reference(p, u, dtype):
+    """numpy: of the entries with a nonzero update, the fraction left as they were."""
+    p = np.asarray(p).astype(dtype)
+    new = (p.astype(np.float32) + u).astype(dtype)
+    moving = u != 0
+    return np.sum(moving & (new == p)) / max(np.sum(moving), 1)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_the_fraction_is_the_share_of_updates_rounded_away(dtype, fused):
+    # |p| in [1.1, 1.9] * 2**e, updates up to 2**-6 of it, either sign, some
+    # zero: no parameter lands on a power of two, where the rule reads the
+    # new value only (see the next test).
+    rng = np.random.default_rng(0)
+    n = 4096
+    sign = rng.choice([-1, 1], n)
+    p = rng.uniform(1.1, 1.9, n) * 2.0 ** rng.integers(-6, 6, n) * sign
+    u = p * rng.uniform(-1, 1, n) * 2.0 ** -rng.integers(6, 30, n)
+    u[rng.random(n) < 0.1] = 0.0
+    u = u.astype(np.float32)
+    params = {"a": jnp.asarray(p[:3000], dtype), "b": jnp.asarray(p[3000:], dtype)}
+    grads = {"a": jnp.asarray(u[:3000]), "b": jnp.asarray(u[3000:])}
+    tx = jls.loss_scaling(  # sgd(-1): the update is the gradient
+        optax.sgd(-1.0), jls.no_scale(), hooks=[jls.hooks.Stagnation(every=1)]
+    )
+    _, state = jax.jit(_step(tx, fused))(grads, tx.init(params), params)
+    got = float(jls.metrics(state)["stagnant_fraction"])
+    want = _reference(np.concatenate([params["a"], params["b"]]), u, dtype)
+    assert 0.05 < want < 0.95  # both kinds of entry are there
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_parameter_moved_onto_a_power_of_two_counts_as_stuck():
+    # The documented limit of reading the new value only: 1 - 2**-8 moved up
+    # by 1.5 * 2**-9 lands on 1.0 (the update is more than half the spacing
+    # below 1), and 1.0 + 1.5 * 2**-9 rounds back to 1.0 (less than half the
+    # spacing above): counted as stuck. Off a power of two it is exact.
+    p = jnp.asarray([1 - 2**-8, 1.25], jnp.bfloat16)
+    u = jnp.asarray([1.5 * 2**-9, 1.5 * 2**-8], jnp.float32)
+    tx = jls.loss_scaling(
+        optax.sgd(-1.0), jls.no_scale(), hooks=[jls.hooks.Stagnation(1)]
+    )
+    new, state = jls.apply_gradients(tx, u, tx.init(p), p)
+    assert new.tolist() == [1.0, 1.2578125]  # both moved
+    assert float(jls.metrics(state)["stagnant_fraction"]) == 0.5
+
+
+def test_one_step_in_every_is_read_and_the_last_reading_held():
+    params = jnp.ones(8, jnp.bfloat16)
+    tx = jls.loss_scaling(
+        optax.sgd(-1.0),
+        jls.no_scale(),
+        hooks=[jls.hooks.Stagnation(every=3)],
+        donated=True,
+    )
+    step = jax.jit(_step(tx, fused=True), donate_argnums=(1, 2))
+    lost, moves, bad = jnp.full(8, 1e-4), jnp.full(8, 0.1), jnp.full(8, jnp.nan)
+    state = tx.init(params)
+    seen = []
+    for g in (lost, moves, moves, moves, lost, lost, bad, lost, lost, lost):
+        params, state = step(g, state, params)
+        seen.append(float(jls.metrics(state)["stagnant_fraction"]))
+    # Read on calls 0, 3, 6 and 9; call 6 is skipped (nan): nothing read.
+    assert seen == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("every", [1, 2])
+def test_reading_changes_nothing_in_the_step(fused, every):
+    params = {"w": jnp.full((16, 8), 0.5, jnp.bfloat16), "b": jnp.ones(8)}
+    out = []
+    for hooks in ((), (jls.hooks.Stagnation(every=every),)):
+        tx = jls.loss_scaling(
+            optax.adam(1e-3), jls.dynamic_scale(2.0**4), hooks=hooks, donated=True
+        )
+        step = jax.jit(_step(tx, fused))
+        p, s = params, tx.init(params)
+        rng = np.random.default_rng(1)
+        for i in range(5):
+            g = jax.tree.map(
+                lambda x, r=rng: jnp.asarray(r.normal(size=x.shape) * 16, x.dtype), p
+            )
+            if i == 2:  # one skipped step
+                g = {"w": g["w"].at[0, 0].set(jnp.inf), "b": g["b"]}
+            p, s = step(g, s, p)
+        out.append((p, s.inner_state, s.loss_scale))
+    chex.assert_trees_all_equal(out[0], out[1])
+
+
+def test_rounding_remedies_report_no_stagnation():
+    params = jnp.ones(256, jnp.bfloat16)
+    fractions = {}
+    for name, inner in [
+        ("plain", optax.sgd(1e-4)),
+        ("kahan", jls.precision.compensated(optax.sgd(1e-4))),
+        ("stochastic", jls.precision.stochastic_rounding(optax.sgd(1e-4))),
+    ]:
+        tx = jls.loss_scaling(
+            inner, jls.no_scale(), hooks=[jls.hooks.Stagnation(every=1)]
+        )
+        p, s = params, tx.init(params)
+        for _ in range(3):
+            p, s = jls.apply_gradients(tx, jnp.ones(256), s, p)
+        fractions[name] = float(jls.metrics(s)["stagnant_fraction"])
+    # Plain bfloat16 loses every 1e-4 step at 1.0; the remedies' updates are
+    # new - p, zero where the parameter stays: nothing they apply is lost.
+    assert fractions == {"plain": 1.0, "kahan": 0.0, "stochastic": 0.0}
+
+
+def test_sampling_needs_a_donating_step():
+    with pytest.raises(ValueError, match=r"Stagnation\(every=16\).*donated=True"):
+        jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation()])
+    jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation(every=1)])  # inline
+    jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation()], donated=True)
+    for bad in (0, 2.5, True):
+        with pytest.raises((ValueError, TypeError), match="every"):
+            jls.hooks.Stagnation(every=bad)
+
+
+def test_the_hook_needs_the_parameters():
+    tx = jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation(every=1)])
+    params = jnp.ones(2)
+    with pytest.raises(TypeError, match="need the parameters"):
+        tx.update(params, tx.init(params))
+
+
+def _copies(hooks, donated):
+    params = {"w": jnp.ones((128, 64)), "b": jnp.ones(64)}
+    tx = jls.loss_scaling(optax.adam(1e-3), hooks=hooks, donated=donated)
+
+    def step(p, s, x):
+        g = jax.grad(lambda p: jls.scale_loss(jnp.sum(jnp.tanh(x @ p["w"])), s))(p)
+        return jls.apply_gradients(tx, g, s, p)
+
+    jitted = jax.jit(step, donate_argnums=(0, 1) if donated else ())
+    compiled = jitted.lower(params, tx.init(params), jnp.ones((4, 128))).compile()
+    return len(re.findall(r"= f32\[128,64\]\S* copy\(", compiled.as_text()))
+
+
+def test_a_donated_step_copies_no_parameter_or_moment_to_read():
+    # The reads run in a conditional of their own after the plain update's,
+    # each with a pass-through branch: a conditional nested in the applying
+    # branch, or reading the parameters before the step, made XLA copy every
+    # parameter and moment on every step.
+    assert _copies((jls.hooks.Stagnation(every=16),), donated=True) == _copies(
+        (), donated=True
+    )
+    assert _copies((jls.hooks.Stagnation(every=1),), donated=True) == _copies(
+        (), donated=True
+    )
+
+
+def test_one_trace_for_any_number_of_steps():
+    traces = []
+    params = jnp.ones(16, jnp.bfloat16)
+    tx = jls.loss_scaling(
+        optax.adam(1e-3), jls.no_scale(), hooks=[jls.hooks.Stagnation(4)], donated=True
+    )
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def step(g, s, p):
+        traces.append(1)
+        return jls.apply_gradients(tx, g, s, p)
+
+    s = tx.init(params)
+    for _ in range(6):
+        params, s = step(jnp.ones(16, jnp.bfloat16), s, params)
+    assert len(traces) == 1
+
+
+def _stalled_state(threshold_lr=1e-4):
+    tx = jls.loss_scaling(
+        optax.sgd(threshold_lr), jls.no_scale(), hooks=[jls.hooks.Stagnation(every=1)]
+    )
+    params = jnp.asarray([1.0, 1.0, 1.0, 0.001], jnp.bfloat16)
+    state = tx.init(params)
+    return jls.apply_gradients(tx, jnp.ones(4), state, params)[1]
+
+
+def test_warn_if_stagnant_warns_at_the_threshold_and_names_the_remedies():
+    state = _stalled_state()  # 3 of 4 entries stuck
+    with pytest.warns(jls.hooks.StagnationWarning, match="75.0%.*stochastic_rounding"):
+        assert jls.hooks.warn_if_stagnant(state, threshold=0.75) == 0.75
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jls.hooks.warn_if_stagnant(state) == 0.75  # below the default 0.9
+        assert jls.hooks.warn_if_stagnant(state, threshold=0.8) == 0.75
+
+
+def test_warn_if_stagnant_refuses_what_it_cannot_read():
+    state = _stalled_state()
+    for bad in (0.0, 1.5, "0.5", True):
+        with pytest.raises(ValueError, match="threshold must be a float in"):
+            jls.hooks.warn_if_stagnant(state, threshold=bad)
+    plain = jls.loss_scaling(optax.sgd(0.1)).init(jnp.ones(2))
+    with pytest.raises(ValueError, match=r"hooks=\[jls.hooks.Stagnation\(\)\]"):
+        jls.hooks.warn_if_stagnant(plain)
+    with pytest.raises(TypeError, match="on the host after the step"):
+        jax.jit(jls.hooks.warn_if_stagnant)(state)
