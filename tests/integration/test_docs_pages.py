@@ -18,6 +18,7 @@ defines its own ``params``, ``batch`` and ``compute_loss``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import pathlib
@@ -143,6 +144,7 @@ def needs_devices(page: str) -> bool:
     return bool(found) and "xla_force_host_platform_device_count" in found[0]
 
 
+@functools.cache  # the page's two tests share one run (8 devices: slow)
 def run_apart(page: str) -> str:
     """Run a page's cells in a fresh Python (warnings are errors); its stdout."""
     source = "\n".join(cells(DOCS / page))

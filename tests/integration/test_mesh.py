@@ -18,6 +18,9 @@ import pytest
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "mesh.py"
 ROOT = pathlib.Path(__file__).parents[2]
 EXACT = 1e-6  # relative, against the single-device full-batch step
+# One 8-device run of every layout: run on the newest jax (the floors job
+# skips slow tests; the mesh code's jax-version seams are unit-tested there).
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

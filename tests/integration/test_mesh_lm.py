@@ -23,6 +23,9 @@ import pytest
 
 EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "mesh_lm.py"
 STEPS = 6
+# Subprocess runs of the example on 8 devices: the newest jax only (the
+# floors job skips slow tests).
+pytestmark = pytest.mark.slow
 
 
 def _run(tmp, *args, timeout=600):
@@ -90,7 +93,6 @@ def test_float16_layouts_match_one_device_to_float16_rounding(float16, layout):
     assert _worst_leaf(params, ref) <= 2e-2  # the measured worst: 8e-3
 
 
-@pytest.mark.slow
 def test_two_processes_match_one_device(float32, tmp_path):
     ref_report, ref = _load(float32, "single")
     _run(tmp_path, "--dtype=float32", "--optimizer=sgd", "--processes=2")
