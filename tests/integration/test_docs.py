@@ -105,4 +105,5 @@ def test_readme_test_command_and_the_demo_table():
     # The quoted demo output has the table's exact header and one row per mode.
     header = demo.format_table([]).splitlines()[0]
     table = setup[setup.index(header) :].split("```")[0].splitlines()
-    assert [line.split()[0] for line in table[2:6]] == list(demo.MODES)
+    rows = table[2 : 2 + len(demo.MODES)]
+    assert [line.split()[0] for line in rows] == list(demo.MODES)
