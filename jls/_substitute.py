@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
@@ -52,7 +53,18 @@ def substituted(
     skipped step returns, laid out as ``new``; ``after`` gets the traced
     decision.
     """
-    closed, shapes = jax.make_jaxpr(step, return_shape=True)(operands)
+    # Only the array leaves are the program's inputs: a function or other
+    # static leaf (an unfiltered equinox model's activation) is closed over.
+    leaves, tree = jax.tree.flatten(operands)
+    arrays = [_is_array(x) for x in leaves]
+    values = [x for x, a in zip(leaves, arrays, strict=True) if a]
+
+    def program(values: list[Any]) -> Any:
+        given = iter(values)
+        rebuilt = [next(given) if a else x for x, a in zip(leaves, arrays, strict=True)]
+        return step(jax.tree.unflatten(tree, rebuilt))
+
+    closed, shapes = jax.make_jaxpr(program, return_shape=True)(values)
     jaxpr = closed.jaxpr
     old_out, old_state = skip(operands, shapes)
     n_out = len(jax.tree.leaves(shapes[0]))
@@ -73,7 +85,7 @@ def substituted(
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     env.update(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, jax.tree.leaves(operands), strict=True))
+    env.update(zip(jaxpr.invars, values, strict=True))
     for eqn in jaxpr.eqns:
         info = eqn.source_info
         names = source_info_util.current_name_stack() + info.name_stack
@@ -99,6 +111,11 @@ def substituted(
     out = jax.tree.unflatten(jax.tree.structure(shapes[0]), leaves[:n_out])
     state = jax.tree.unflatten(jax.tree.structure(shapes[1]), leaves[n_out:])
     return (out, state), after(apply)
+
+
+def _is_array(x: Any) -> bool:
+    """Whether ``x`` can be an input of a traced program."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
 def _typed_as_old(x: jax.Array, old: Any) -> jax.Array:

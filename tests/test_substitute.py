@@ -171,3 +171,20 @@ def test_two_state_leaves_made_by_one_variable_each_keep_their_own_old_value():
         _copy(params), _copy(state), grads
     )
     assert tuple(int(x) for x in new.inner_state) == (3, 7)
+
+
+def test_parameters_with_a_non_array_leaf_step_as_the_inner_optimizer_does():
+    # An unfiltered equinox-style model: a function among the parameters.
+    # The skip traces only the array leaves (jls 0.3 did not trace at all).
+    tx = jls.loss_scaling(optax.adam(1e-3), jls.static_scale(2.0**10))
+    params = {"w": jnp.ones((3,)), "act": jax.nn.relu}
+    state = tx.init({"w": params["w"], "act": None})
+    grads = {"w": jnp.full((3,), 2.0**10), "act": None}
+    updates, _ = tx.update(grads, state, params)
+    adam = optax.adam(1e-3)
+    alone, _ = adam.update({"w": jnp.ones(3)}, adam.init({"w": params["w"]}))
+    chex.assert_trees_all_equal(updates["w"], alone["w"])
+    bad = {"w": jnp.full((3,), jnp.nan), "act": None}
+    updates, new = tx.update(bad, state, params)
+    chex.assert_trees_all_equal(updates["w"], jnp.full((3,), -0.0))
+    chex.assert_trees_all_equal(new.inner_state, state.inner_state)
