@@ -183,8 +183,8 @@ def test_parameters_with_a_non_array_leaf_step_as_the_inner_optimizer_does():
     updates, _ = tx.update(grads, state, params)
     adam = optax.adam(1e-3)
     alone, _ = adam.update({"w": jnp.ones(3)}, adam.init({"w": params["w"]}))
-    chex.assert_trees_all_equal(updates["w"], alone["w"])
+    chex.assert_trees_all_equal(updates["w"], alone["w"])  # pyright: ignore[reportIndexIssue]
     bad = {"w": jnp.full((3,), jnp.nan), "act": None}
     updates, new = tx.update(bad, state, params)
-    chex.assert_trees_all_equal(updates["w"], jnp.full((3,), -0.0))
+    chex.assert_trees_all_equal(updates["w"], jnp.full((3,), -0.0))  # pyright: ignore[reportIndexIssue]
     chex.assert_trees_all_equal(new.inner_state, state.inner_state)
