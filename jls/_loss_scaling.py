@@ -172,7 +172,7 @@ def loss_scaling(
         does not read it (since jls 0.4 it compiles without copies either
         way: ``docs/performance.md``); `jls.hooks.ScaleStats` with
         ``every > 1`` needs it (its sampling conditional pays only with
-        donation), and `jls.flax` keeps a skipped step's other fields with
+        donation), and ``jls.flax`` keeps a skipped step's other fields with
         a conditional when it is set.
       scale_stats: ``True`` (or a floating dtype, default float16): record
         what the scale does to the scaled gradients in that compute dtype,
