@@ -102,6 +102,7 @@ def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> An
         weak = bool(jax.typeof(old).weak_type and old.dtype == new.dtype)
     if old.dtype != new.dtype:
         old = old.astype(new.dtype)
+    old = _like(old, new)
     narrow = jnp.issubdtype(new.dtype, jnp.floating) and jnp.finfo(new.dtype).bits < 32
     if narrow:
         bits = _UINT[jnp.finfo(new.dtype).bits]
@@ -114,6 +115,19 @@ def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> An
     else:
         chosen = lax.select(apply, new, old)
     return retyped(chosen, weak)
+
+
+def _like(old: jax.Array, new: jax.Array) -> jax.Array:
+    """``old`` in ``new``'s explicit sharding (jax 0.8's select requires it)."""
+    want = getattr(jax.typeof(new), "sharding", None)
+    have = getattr(jax.typeof(old), "sharding", None)
+    if want is None or have is None or want == have:
+        return old
+    if not hasattr(jax.sharding, "reshard"):
+        return old
+    if not getattr(want.mesh, "axis_types", None) or want.mesh.empty:
+        return old
+    return jax.sharding.reshard(old, want.spec)
 
 
 def retyped(x: jax.Array, weak: bool) -> jax.Array:

@@ -36,7 +36,9 @@ def test_a_zero_gradient_float16_step_gives_no_nan(name):
         assert jls.all_finite(params)
 
 
-@pytest.mark.parametrize("name", ["adam", "rmsprop", "adan", "novograd"])
+# novograd's float16 zero-gradient step is nan with optax 0.2.8 but not with
+# the floor's 0.2.5: the premise is checked where it holds on every version.
+@pytest.mark.parametrize("name", ["adam", "rmsprop", "adan"])
 def test_without_it_the_same_float16_step_is_nan(name):
     # What the wrapper fixes (optax #1754, #1769, #1784, #1789, #1790).
     params = {"w": jnp.ones((4, 3), jnp.float16), "b": jnp.ones(3, jnp.float16)}
