@@ -1,6 +1,6 @@
-"""The skip in one form for both donation modes: each state leaf kept where it is made.
+"""The skip in one form for both donation modes: each result kept where it is made.
 
-`jls._cond` has two forms, each compiled well in one donation mode only:
+jls 0.3 had two forms, each compiled well in one donation mode only:
 ``lax.select`` per leaf after the update (XLA:CPU copies every moment when
 the caller donates: the select's fusions read the old moments after the
 update overwrote them in place) and one ``lax.cond`` (without donation XLA
@@ -48,7 +48,8 @@ def substituted(
 ) -> tuple[Any, Any]:
     """``(step(operands), after(apply))`` if ``apply``, else the skip's.
 
-    The signature of `jls._cond.selected` and `jls._cond.guarded`: ``step``
+    The signature of jls 0.3's two forms (kept as candidates in
+    ``benchmarks/bench_skip_modes.py``): ``step``
     returns ``(outputs, state)``; ``skip(operands, new)`` gives the values a
     skipped step returns, laid out as ``new``; ``after`` gets the traced
     decision.
