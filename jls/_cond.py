@@ -125,9 +125,10 @@ def _like(old: jax.Array, new: jax.Array) -> jax.Array:
         return old
     if not hasattr(jax.sharding, "reshard"):
         return old
-    if not getattr(want.mesh, "axis_types", None) or want.mesh.empty:
+    explicit = jax.sharding.AxisType.Explicit
+    if want.mesh.empty or explicit not in tuple(getattr(want.mesh, "axis_types", ())):
         return old
-    return jax.sharding.reshard(old, want.spec)
+    return jax.sharding.reshard(old, want)
 
 
 def retyped(x: jax.Array, weak: bool) -> jax.Array:
