@@ -24,7 +24,8 @@ import jls
 def run(mesh, donated, fused):
     spec = {"w": P(None, "dp"), "b": P("dp")}
     params = {"w": jnp.ones((3, 8)), "b": jnp.ones(8)}
-    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), spec))
+    placed = jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
+    params = jax.device_put(params, placed)
     tx = jls.loss_scaling(optax.adam(0.1), jls.dynamic_scale(), donated=donated)
     state = tx.init(jax.tree.map(np.asarray, params))  # unplaced state
 
@@ -37,7 +38,7 @@ def run(mesh, donated, fused):
     step = jax.jit(step, donate_argnums=(0, 1) if donated else ())
     out = []
     for value in (1.0, np.inf):
-        grads = jax.tree.map(lambda x: jnp.full(x.shape, value), params)
+        grads = jax.tree.map(lambda x, v=value: jnp.full(x.shape, v), params)
         before = jax.tree.map(np.asarray, params)
         params, state = step(params, state, grads)
         after = jax.tree.map(np.asarray, params)
