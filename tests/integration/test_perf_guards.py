@@ -146,6 +146,23 @@ def test_the_default_step_copies_nothing_whether_the_caller_donates_or_not(
     )
 
 
+@pytest.mark.parametrize("donates", [False, True], ids=["undonated", "donated"])
+@pytest.mark.parametrize("path", ["fused", "update"])
+def test_declaring_donation_or_not_compiles_the_same_program(path, donates):
+    # Issue 34's third mode ("donated, not declared") is not a mode: the
+    # default step is one program whatever donated= says, so a caller's jit
+    # that donates without declaring it pays what a declared one pays.
+    step = _fused if path == "fused" else _via_update
+
+    def program(declared):
+        tx = jls.loss_scaling(optax.adam(1e-3), donated=declared)
+        compiled = _compile(functools.partial(step, tx), tx.init(PARAMS), donates)
+        text = _hlo(compiled).split("ENTRY", 1)[1]
+        return re.sub(r"metadata=\{[^}]*\}", "", text), _temp_bytes(compiled)
+
+    assert program(True) == program(False)
+
+
 def test_update_path_holds_at_most_the_gradients_and_the_updates():
     # tx.update must return an updates tree (the conditional's output) that
     # apply_updates then reads: that tree, plus the gradients, is its cost
