@@ -4,7 +4,10 @@ Every variant is a jitted train step (Adam), on the same model and batch,
 twice: without donation (as most user code: flax's examples, notebooks, a
 plain ``@jax.jit``) and with ``donate_argnums=(0, 1)`` ("(donated)"; jls's
 variants then pass ``donated=True``), each compared with plain Adam in the
-same mode. The report adds each compiled step's temporary bytes and copies.
+same mode; jls's variants once more with donation not declared ("(donated,
+undeclared)": ``donate_argnums`` without ``donated=True``, compared with
+plain Adam donated). The report adds each compiled step's temporary bytes
+and copies.
 They run side by side in one process, in interleaved rounds (each round
 times one step of every variant, in a shuffled order, a few steps per
 sample), and the report gives, per variant, the median step time, the ratio
@@ -165,19 +168,29 @@ def _plain_sum_check():
         _finite._shrunk_sum = saved
 
 
-def make_variants(loss_fn, params, modes=(False, True)):
+DONATED = " (donated)"
+UNDECLARED = " (donated, undeclared)"
+
+
+def make_variants(loss_fn, params, modes=(False, True, UNDECLARED)):
     """Returns {name: (jitted step, initial opt_state)} for each donation mode.
 
     Each variant is jitted without donation (the name as it is) and with
-    ``donate_argnums=(0, 1)`` (the name with `DONATED`); jls's variants pass
-    ``donated=`` to match.
+    ``donate_argnums=(0, 1)`` (the name with `DONATED`), jls's variants
+    passing ``donated=`` to match; the mode `UNDECLARED` adds jls's variants
+    jitted with donation but made without ``donated=True`` (the name with
+    `UNDECLARED`), the step a user who missed the argument writes.
     """
     adam = optax.adam(1e-4)
     variants = {}
-    for donated in modes:
+    for mode in modes:
+        donated = bool(mode)
         jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ())
-        suffix = DONATED if donated else ""
-        for key, (fn, state) in _steps(loss_fn, params, adam, donated).items():
+        declared = mode is True
+        suffix = UNDECLARED if mode == UNDECLARED else (DONATED if donated else "")
+        for key, (fn, state) in _steps(loss_fn, params, adam, declared).items():
+            if mode == UNDECLARED and not key.startswith("jls_"):
+                continue
             variants[key + suffix] = (jit(fn), state)
     return variants
 
@@ -265,12 +278,10 @@ def _steps(loss_fn, params, adam, donated):
     return steps
 
 
-DONATED = " (donated)"
-
-
 def baseline(key: str) -> str:
     """The plain variant a variant is compared with: the same donation."""
-    return "plain" + DONATED if key.endswith(DONATED) else "plain"
+    donated = key.endswith(DONATED) or key.endswith(UNDECLARED)
+    return "plain" + DONATED if donated else "plain"
 
 
 def compiled_stats(step, params, opt_state, batch) -> dict:
