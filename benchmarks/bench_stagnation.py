@@ -1,18 +1,14 @@
 """What ``jls.hooks.Stagnation`` costs: the fused step with it against without it.
 
-``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation(every=n)])`` reads, on one
-applied step in ``n``, the fraction of parameter entries whose update is
-rounded away, beside the update (a second conditional runs the reading
-update; the first runs the plain one). This times the fused step
+``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation(every=n)])`` reads, on
+each applied step, one n-th of each parameter's entries beside the update
+(every entry once per n steps; no conditional). This times the fused step
 (``jls.apply_gradients``, Adam, ``jls.dynamic_scale()``) with and without
 the hook, and plain Adam, on the models of ``bench_step.py``, donated and
-not, in interleaved rounds;
-ratios are to the fused step without the hook in the same donation mode.
-Each sample times ``--steps`` steps, so with ``every`` equal to it every
-sample holds exactly one measured step (``every16`` at the default 16,
-donated only: jls refuses sampling without donation); ``every1`` reads
-every step, inline. ``--params bfloat16`` casts the parameters (and so
-Adam's moments) to bfloat16, the case the hook is for. Run:
+not, in interleaved rounds; ratios are to the fused step without the hook
+in the same donation mode. ``every16`` is the default; ``every1`` reads
+every entry on every step. ``--params bfloat16`` casts the parameters (and
+so Adam's moments) to bfloat16, the case the hook is for. Run:
 ``python benchmarks/bench_stagnation.py --model all --rounds 15``.
 """
 
@@ -52,13 +48,9 @@ def variants(loss_fn, params, every: int):
         out["plain" + suffix] = (jit(plain), adam.init(params))
         configs = [
             ("jls_fused", ()),
+            (f"jls_fused_stagnation_every{every}", (jls.hooks.Stagnation(every),)),
             ("jls_fused_stagnation_every1", (jls.hooks.Stagnation(1),)),
         ]
-        if donated:  # sampling needs a donating step (refused without)
-            configs.insert(
-                1,
-                (f"jls_fused_stagnation_every{every}", (jls.hooks.Stagnation(every),)),
-            )
         for name, hooks in configs:
             tx = jls.loss_scaling(adam, scaler, donated=donated, hooks=hooks)
 

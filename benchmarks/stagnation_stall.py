@@ -10,7 +10,7 @@ Adam's moments kept:
 - ``bf16-sr``: in bfloat16, ``jls.precision.stochastic_rounding(adam)``;
 - ``bf16-kahan``: in bfloat16, ``jls.precision.compensated(adam)`` (int16 buffer).
 
-Every run is ``jls.loss_scaling(..., jls.no_scale(), donated=True,
+Every run is ``jls.loss_scaling(..., jls.no_scale(),
 hooks=[jls.hooks.Stagnation(every=n)])`` and reports, at each tenth of the run,
 the learning rate, the mean training loss over that tenth and
 ``jls.metrics(...)["stagnant_fraction"]`` at its end, the step at which
@@ -63,7 +63,6 @@ def run(name: str, args, lm, text) -> dict:
     tx = jls.loss_scaling(
         inner,
         jls.no_scale(),
-        donated=True,
         hooks=[jls.hooks.Stagnation(every=args.every)],
     )
     opt_state = tx.init(params)
@@ -80,7 +79,7 @@ def run(name: str, args, lm, text) -> dict:
         params, opt_state, loss, fraction = step(params, opt_state, tokens_at(i))
         losses.append(float(loss))
         fractions.append(float(fraction))
-        if warned is None and i % args.every == 0:
+        if warned is None and (i + 1) % args.every == 0:  # a cycle's end
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 jls.hooks.warn_if_stagnant(opt_state)  # threshold 0.9
@@ -161,7 +160,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--alpha", type=float, default=1e-3, help="final / peak learning rate"
     )
-    parser.add_argument("--every", type=int, default=4, help="Stagnation(every=)")
+    parser.add_argument("--every", type=int, default=16, help="Stagnation(every=)")
     parser.add_argument("--seed", type=int, default=0, help="seed")
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated variants"

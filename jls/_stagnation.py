@@ -24,14 +24,18 @@ rounding loses, in expectation or in its buffer; what they report is the
 parameters that stepped outward onto a power of two, the rule's limit
 above).
 
-``every`` (default 16) reads one step in ``every`` (the first, then every
-``every``-th call), inside a conditional of its own that runs the update
-with the reads (the other steps run it without): in a step that donates
-(``donated=True``) the steps between pay nothing. Without donation that
-conditional would hold the gradients in memory, so ``every > 1`` needs
-``donated=True`` (as `jls.hooks.ScaleStats` does), and ``every=1`` reads every
-step inline. `warn_if_stagnant` turns the fraction into a warning on the
-host, where you log metrics.
+``every`` (default 16) spreads one reading over ``every`` applied steps:
+each step reads one ``every``-th of each parameter's entries (every
+``every``-th block of a few consecutive entries along one axis, the block
+offset the cycle's position: `read_phases`), so every entry is read once
+per cycle, and the fraction is reported when a cycle completes and held in
+between. A step reads 1/``every`` of the entries inline, beside the
+update, with no conditional: no mode to declare and nothing kept in memory
+for a conditional, whether the caller's jit donates or not; a leaf sharded
+along any axis is read where it lies. ``every=1`` reads every entry on
+every step. A skipped step reads nothing and does not advance the cycle.
+`warn_if_stagnant` turns the fraction into a warning on the host, where
+you log metrics.
 """
 
 from __future__ import annotations
@@ -47,21 +51,27 @@ from jax import lax
 from jax.core import Tracer
 
 from jls._compat import tracked_in, varying_axes
-from jls._hooks import Hook, HookContext, LossScalingState, StepInfo
+from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._tree import find_all, plain
 from jls._validate import integer
 
+BLOCK = 16
+"""The most entries per block (one 64-byte line of float32): see `read_phases`."""
+
 
 class StagnationState(NamedTuple):
-    """The latest measured step's fraction, and where the cycle stands.
+    """The last completed cycle's fraction, and the cycle under way.
 
-    ``stagnant_fraction`` is a float32 scalar (0 until a step is measured);
-    ``phase`` (int32) is the position in the cycle of ``every`` calls (0:
-    the next applied call measures).
+    ``stagnant_fraction`` is a float32 scalar (0 until a cycle completes);
+    ``phase`` (int32) is the number of applied steps of the cycle read so
+    far (the block offset the next reads); ``stuck`` and ``moving`` (float32)
+    are this replica's entry counts of the cycle so far.
     """
 
     stagnant_fraction: jax.Array
     phase: jax.Array
+    stuck: jax.Array
+    moving: jax.Array
 
     def metrics(self) -> dict[str, Any]:
         """``stagnant_fraction`` (what `jls.metrics` reports of this hook)."""
@@ -72,16 +82,81 @@ class StagnationWarning(UserWarning):
     """`warn_if_stagnant`'s warning: the updates are being rounded away."""
 
 
-def _counts(new: Any, u: Any) -> tuple[jax.Array, jax.Array]:
+def _block(n: int, every: int) -> int:
+    """Entries per block along an axis of ``n`` entries, ``every`` blocks a row.
+
+    The largest power of two up to `BLOCK` that leaves a multiple of 8 rows
+    (so an axis sharded over up to 8 devices, or a multiple, is cut in
+    whole rows per shard, and the read stays local); 1 if none does.
+    """
+    block = 1
+    while block < BLOCK and n % (every * block * 2 * 8) == 0:
+        block *= 2
+    return block
+
+
+def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
+    """The step of the cycle (0 to ``every - 1``) at which each entry is read.
+
+    Along the last axis whose extent ``every`` divides, blocks of `_block`
+    entries take the phases in turn; with no such axis, the entries of the
+    last axis do, one by one. (numpy; what `_read` computes with a slice.)
+    """
+    shape = shape or (1,)
+    for axis in range(len(shape) - 1, -1, -1):
+        n = shape[axis]
+        if n % every == 0:
+            index = np.arange(n) // _block(n, every) % every
+            break
+    else:
+        axis, index = len(shape) - 1, np.arange(shape[-1]) % every
+    view = [1] * len(shape)
+    view[axis] = -1
+    return np.broadcast_to(index.reshape(view), shape)
+
+
+def _read(x: jax.Array, phase: jax.Array, every: int) -> tuple[jax.Array, Any]:
+    """The entries of ``x`` read at ``phase`` (`read_phases`): ``(entries, mask)``.
+
+    A dynamic slice of every ``every``-th block along one axis (no other
+    axis is touched, so a leaf sharded along any axis is read where it
+    lies); with no axis that ``every`` divides, all of ``x`` and a mask.
+    """
+    x = jnp.reshape(x, x.shape or (1,))
+    for axis in range(x.ndim - 1, -1, -1):
+        n = x.shape[axis]
+        if n % every == 0:
+            block = _block(n, every)
+            split = x.shape[:axis] + (n // (every * block), every, block)
+            y = jnp.reshape(x, split + x.shape[axis + 1 :])
+            read = lax.dynamic_index_in_dim(y, phase, axis=axis + 1, keepdims=False)
+            return read, True
+    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return x, index % every == phase
+
+
+def _counts(
+    new: Any, u: Any, phase: jax.Array | None = None, every: int = 1
+) -> tuple[jax.Array, jax.Array]:
     """``(stuck, moving)`` entries of one leaf, as float32 scalars.
 
     ``new`` is the parameter after the update ``u``: an entry is stuck when
     ``new + u`` rounds back to ``new`` (the parameter before is not read: see
-    the module notes).
+    the module notes). With ``every > 1``, of the entries read at ``phase``
+    (`read_phases`).
     """
     new, u = jnp.asarray(new), jnp.asarray(u)
+    if every == 1 or phase is None:
+        return _entry_counts(new, u, True)
+    new, mask = _read(new, phase, every)
+    u, _ = _read(u, phase, every)
+    return _entry_counts(new, u, mask)
+
+
+def _entry_counts(new: Any, u: Any, valid: Any) -> tuple[jax.Array, jax.Array]:
+    """``(stuck, moving)`` of the entries ``valid`` keeps, float32."""
     again = jnp.asarray(new + u).astype(new.dtype)  # as optax.apply_updates adds
-    moving = u != 0
+    moving = (u != 0) & valid
     stuck = moving & (again == new)
     return (
         jnp.sum(stuck, dtype=jnp.int32).astype(jnp.float32),
@@ -110,18 +185,19 @@ def _agreed(stuck: jax.Array, moving: jax.Array, named: tuple[str, ...]) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Stagnation(Hook):
-    """Records ``stagnant_fraction`` one step in ``every`` (see the module).
+    """Records ``stagnant_fraction`` once per ``every`` applied steps (see the module).
 
-    Pass it as ``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation()],
-    donated=True)``; read it with
-    ``jls.metrics(opt_state)["stagnant_fraction"]``, or warn with
-    `jls.hooks.warn_if_stagnant`. ``tx.update`` must be given the parameters.
+    Pass it as ``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation()])``;
+    read it with ``jls.metrics(opt_state)["stagnant_fraction"]``, or warn
+    with `jls.hooks.warn_if_stagnant`. ``tx.update`` must be given the
+    parameters.
 
     Attributes:
-      every: read one call in ``every`` (an int >= 1; default 16), holding
-        the last measurement in between; a read call whose step is skipped
-        measures nothing (the next is ``every`` calls later). ``every > 1``
-        needs ``donated=True``; ``every=1`` reads every applied step, inline.
+      every: the cycle, in applied steps (an int >= 1; default 16): each
+        step reads one ``every``-th of each parameter's entries, and the
+        fraction over all of them is reported when the cycle completes,
+        held in between (0 before the first). ``every=1`` reads every
+        entry on every applied step.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -141,31 +217,21 @@ class Stagnation(Hook):
     def __post_init__(self) -> None:
         object.__setattr__(self, "every", integer("every", self.every, 1))
 
-    def check(self, context: HookContext) -> None:
-        """Refuses sampling (``every > 1``) in a step that does not donate.
-
-        Without donation the conditional that samples holds the gradients
-        in memory, as `jls.hooks.ScaleStats`' does.
-        """
-        if self.every > 1 and not context.donated:
-            raise ValueError(
-                f"jls.hooks.Stagnation(every={self.every}) reads one step in "
-                f"{self.every} inside a lax.cond, which pays only when the step "
-                "donates (donated=True, with jax.jit(..., donate_argnums=...)): "
-                "without donation the conditional holds the gradients in memory. "
-                "Donate, or read every step: jls.hooks.Stagnation(every=1)."
-            )
-
     def init(self, params: Any) -> StagnationState:
-        del params
-        return StagnationState(jnp.float32(0), jnp.int32(0))
+        del params  # four arrays, none shared: a donating step donates each
+        return StagnationState(
+            jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.float32),
+        )
 
     def reads_updates(self, state: Any) -> Any:
-        return True if self.every == 1 else state.phase == 0
+        del state
+        return True
 
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
-        """``(stuck, moving)``: this replica's entry counts, float32."""
-        del state
+        """``(stuck, moving)``: this replica's counts of the entries read, float32."""
         leaves, treedef = jax.tree.flatten(new_params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
         stuck, moving = jnp.float32(0), jnp.float32(0)
@@ -173,25 +239,31 @@ class Stagnation(Hook):
             dtype = getattr(p, "dtype", None)
             if u is None or dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
                 continue
-            s, m = _counts(p, u)
+            s, m = _counts(p, u, state.phase, self.every)
             stuck, moving = stuck + s, moving + m
         return stuck, moving
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> StagnationState:
         del vetoed
         assert info.applied is not None and info.reads is not None
-        stuck, moving = info.reads[self.name]
+        read_stuck, read_moving = info.reads[self.name]  # zeros on a skipped step
+        stuck = state.stuck + read_stuck
+        moving = state.moving + read_moving
+        phase = jnp.where(info.applied, state.phase + 1, state.phase)
+        done = phase == self.every
 
         def measured() -> jax.Array:
             s, m = _agreed(stuck, moving, tuple(info.axis_name))
             return jnp.where(m > 0, s / jnp.maximum(m, 1), 0).astype(jnp.float32)
 
-        fraction = lax.cond(
-            info.applied & (state.phase == 0),
-            measured,
-            lambda: state.stagnant_fraction,
+        fraction = lax.cond(done, measured, lambda: state.stagnant_fraction)
+        zero = jnp.float32(0)
+        return StagnationState(
+            fraction,
+            jnp.where(done, 0, phase).astype(jnp.int32),
+            jnp.where(done, zero, stuck),
+            jnp.where(done, zero, moving),
         )
-        return StagnationState(fraction, (state.phase + 1) % self.every)
 
 
 def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jls
+from jls._stagnation import read_phases
 
 
 def _step(tx, fused):
@@ -75,23 +76,83 @@ def test_a_parameter_moved_onto_a_power_of_two_counts_as_stuck():
     assert float(jls.metrics(state)["stagnant_fraction"]) == 0.5
 
 
-def test_one_step_in_every_is_read_and_the_last_reading_held():
+def _cycle_reference(params, grads_seq, applied, every, dtype):
+    """numpy: each cycle's fraction, each entry read at its `read_phases`.
+
+    SGD(-1): the update is the gradient. A skipped step reads nothing and
+    does not advance the cycle; the fraction is held between cycles.
+    """
+    p = [np.asarray(x, np.float32) for x in params]
+    stuck = moving = 0
+    phase, fraction, seen = 0, 0.0, []
+    for grads, ok in zip(grads_seq, applied, strict=True):
+        if ok:
+            for k, (x, g) in enumerate(zip(p, grads, strict=True)):
+                new = (x + g).astype(dtype).astype(np.float32)
+                again = (new + g).astype(dtype).astype(np.float32)
+                read = read_phases(x.shape, every) == phase
+                move = read & (g != 0)
+                stuck += np.sum(move & (again == new))
+                moving += np.sum(move)
+                p[k] = new
+            phase += 1
+            if phase == every:
+                fraction = stuck / max(moving, 1)
+                stuck = moving = phase = 0
+        seen.append(fraction)
+    return seen
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("every", [1, 3, 16])
+def test_each_cycle_reads_every_entry_once(every, fused):
+    # Leaves no axis of which the cycle divides, a scalar, and leaves cut
+    # in blocks along their last axis; nan steps skipped mid-cycle.
+    dtype = jnp.bfloat16
+    shapes = [(5,), (3, 200), (1024,), (7, 300), (), (4, 2, 768)]
+    rng = np.random.default_rng(every)
+    params = [jnp.asarray(rng.uniform(0.5, 2.0, s), dtype) for s in shapes]
+    tx = jls.loss_scaling(
+        optax.sgd(-1.0), jls.no_scale(), hooks=[jls.hooks.Stagnation(every=every)]
+    )
+    step = jax.jit(_step(tx, fused))
+    state, p = tx.init(params), params
+    grads_seq, applied, seen = [], [], []
+    for t in range(2 * every + 5):
+        scale = 2.0 ** -rng.integers(2, 12, size=None)
+        grads = [
+            (rng.normal(size=s) * scale * (rng.random(s) > 0.2)).astype(np.float32)
+            for s in shapes
+        ]
+        ok = t % 4 != 2
+        given = [jnp.asarray(g) for g in grads]
+        if not ok:
+            given[1] = given[1].at[0, 0].set(jnp.nan)
+        p, state = step(given, state, p)
+        grads_seq.append(grads)
+        applied.append(ok)
+        seen.append(float(jls.metrics(state)["stagnant_fraction"]))
+    want = _cycle_reference(params, grads_seq, applied, every, dtype)
+    assert 0 < max(want) < 1  # both kinds of entry are there
+    np.testing.assert_allclose(seen, want, rtol=1e-6)
+
+
+def test_no_fraction_before_the_first_cycle_and_held_between():
     params = jnp.ones(8, jnp.bfloat16)
     tx = jls.loss_scaling(
-        optax.sgd(-1.0),
-        jls.no_scale(),
-        hooks=[jls.hooks.Stagnation(every=3)],
-        donated=True,
+        optax.sgd(-1.0), jls.no_scale(), hooks=[jls.hooks.Stagnation(every=3)]
     )
-    step = jax.jit(_step(tx, fused=True), donate_argnums=(1, 2))
+    step = jax.jit(_step(tx, fused=True))
     lost, moves, bad = jnp.full(8, 1e-4), jnp.full(8, 0.1), jnp.full(8, jnp.nan)
     state = tx.init(params)
     seen = []
-    for g in (lost, moves, moves, moves, lost, lost, bad, lost, lost, lost):
+    for g in (lost, lost, lost, moves, bad, moves, moves, lost):
         params, state = step(g, state, params)
         seen.append(float(jls.metrics(state)["stagnant_fraction"]))
-    # Read on calls 0, 3, 6 and 9; call 6 is skipped (nan): nothing read.
-    assert seen == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    # 8 entries: one block, read at phase 0 of each cycle (steps 0 and 3).
+    # Cycle 1 ends at step 2 (1e-4 is lost on 1.0); the nan step 4 does not
+    # count, so cycle 2 (steps 3, 5, 6) ends at step 6: 0.1 moves them.
+    assert seen == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -137,11 +198,14 @@ def test_rounding_remedies_report_no_stagnation():
     assert fractions == {"plain": 1.0, "kahan": 0.0, "stochastic": 0.0}
 
 
-def test_sampling_needs_a_donating_step():
-    with pytest.raises(ValueError, match=r"Stagnation\(every=16\).*donated=True"):
-        jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation()])
-    jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation(every=1)])  # inline
-    jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation()], donated=True)
+def test_any_cycle_runs_whether_the_caller_donates_or_not():
+    for every in (1, 16):  # no donated= to declare
+        tx = jls.loss_scaling(optax.sgd(0.1), hooks=[jls.hooks.Stagnation(every)])
+        params = jnp.ones(300)
+        for donate in ((), (1, 2)):
+            step = jax.jit(_step(tx, fused=True), donate_argnums=donate)
+            p, s = step(jnp.ones(300), tx.init(params), jnp.ones(300))
+            assert jls.all_finite(p)
     for bad in (0, 2.5, True):
         with pytest.raises((ValueError, TypeError), match="every"):
             jls.hooks.Stagnation(every=bad)
@@ -154,9 +218,9 @@ def test_the_hook_needs_the_parameters():
         tx.update(params, tx.init(params))
 
 
-def _copies(hooks, donated):
+def _compiled(hooks, donated):
     params = {"w": jnp.ones((128, 64)), "b": jnp.ones(64)}
-    tx = jls.loss_scaling(optax.adam(1e-3), hooks=hooks, donated=donated)
+    tx = jls.loss_scaling(optax.adam(1e-3), hooks=hooks)
 
     def step(p, s, x):
         g = jax.grad(lambda p: jls.scale_loss(jnp.sum(jnp.tanh(x @ p["w"])), s))(p)
@@ -164,20 +228,24 @@ def _copies(hooks, donated):
 
     jitted = jax.jit(step, donate_argnums=(0, 1) if donated else ())
     compiled = jitted.lower(params, tx.init(params), jnp.ones((4, 128))).compile()
-    return len(re.findall(r"= f32\[128,64\]\S* copy\(", compiled.as_text()))
+    copies = len(re.findall(r"= f32\[128,64\]\S* copy\(", compiled.as_text()))
+    return copies, compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_a_donated_step_copies_no_parameter_or_moment_to_read():
-    # The reads run in a conditional of their own after the plain update's,
-    # each with a pass-through branch: a conditional nested in the applying
-    # branch, or reading the parameters before the step, made XLA copy every
-    # parameter and moment on every step.
-    assert _copies((jls.hooks.Stagnation(every=16),), donated=True) == _copies(
-        (), donated=True
-    )
-    assert _copies((jls.hooks.Stagnation(every=1),), donated=True) == _copies(
-        (), donated=True
-    )
+@pytest.mark.parametrize("donated", [False, True], ids=["undonated", "donated"])
+def test_reading_copies_nothing_and_holds_at_most_the_updates(donated):
+    # The read is inline, beside the update: no parameter or moment copied
+    # (a conditional over the step's inputs made XLA copy every one when the
+    # caller donates), and at most the updates held in memory, one float32
+    # tree at the default cycle (the conditional that read the updates held
+    # the updates and the new parameters: twice that). every=1 reads every
+    # entry, in fusions of their own: three trees.
+    copies, temp = _compiled((), donated)
+    tree = (128 * 64 + 64) * 4
+    for every, trees in ((16, 1), (1, 3)):
+        got_copies, got_temp = _compiled((jls.hooks.Stagnation(every),), donated)
+        assert got_copies == copies == 0
+        assert got_temp <= temp + trees * tree + 8192, (every, temp, got_temp)
 
 
 def test_one_trace_for_any_number_of_steps():

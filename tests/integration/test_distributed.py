@@ -57,6 +57,20 @@ def test_a_skip_whose_old_and_new_values_are_placed_differently_runs():
         assert case == {"unchanged": [False, True], "scale": 16384.0}
 
 
+def test_stagnation_reads_sharded_parameters_where_they_lie():
+    # Stagnation(every=16) reads a block in 16 of each leaf: cut along an
+    # axis sharded over 8 devices, whole rows per shard, it gathers nothing
+    # (blocks grown to 16 entries without that rule made 4 all-gathers
+    # here). Its one addition: the counts' all-reduce.
+    result = json.loads(_run([DIST / "stagnation_mesh.py"], 8).strip().splitlines()[-1])
+    none = result["none"]
+    for name in ("every16", "every1"):
+        got = result[name]
+        for kind in ("all-gather", "all-to-all", "collective-permute"):
+            assert got[kind] == none[kind] == 0, (name, got)
+        assert got["all-reduce"] <= none["all-reduce"] + 1, (name, got)
+
+
 @pytest.fixture(scope="module")
 def replicas():
     return json.loads(_run([DIST / "replicas.py"], 8).strip().splitlines()[-1])
