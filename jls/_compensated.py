@@ -130,7 +130,7 @@ def _units(lost: Any, new: Any, dtype: Any, wide: Any, bits: int) -> Any:
     return jnp.round(scaled * np.asarray(2.0**bits, wide))
 
 
-def _kahan(p: Any, u: Any, k: Any) -> tuple[Any, Any]:
+def _kahan(p: Any, u: Any, k: Any, buffer: Any) -> tuple[Any, Any]:
     """``(update, buffer)`` of one leaf: Kahan's sum in at least float32.
 
     Finite sums saturate at the dtype's largest value, as plain rounding
@@ -142,15 +142,24 @@ def _kahan(p: Any, u: Any, k: Any) -> tuple[Any, Any]:
     the parameter moves one place toward it instead and the buffer keeps
     the rest (of the other sign), so steps too small to pass the half one
     at a time still carry it over (at most a unit is lost there).
+
+    ``k`` may arrive in another dtype than ``buffer``: a jls 0.3
+    checkpoint's buffer in the parameter's own dtype (the lost part itself),
+    or a count of the other width; its value is carried over and the
+    returned buffer is ``buffer``'s.
     """
     if not _floating(p) or u is None:
         return u, k
     p, u, k = _checked("compensated", p), jnp.asarray(u), jnp.asarray(k)
     wide = compute_dtype(p.dtype)
-    bits = np.dtype(k.dtype).itemsize * 8
+    bits = np.dtype(buffer).itemsize * 8
     top = np.asarray(2.0 ** (bits - 1) - 1, wide)
     p_wide = p.astype(wide)
-    y = u.astype(wide) + _buffer_value(k, p_wide, p.dtype, wide)
+    if jnp.issubdtype(k.dtype, jnp.inexact):  # jls 0.3: the lost part itself
+        held = jnp.where(jnp.isfinite(k), k, 0).astype(wide)
+    else:
+        held = _buffer_value(k, p_wide, p.dtype, wide)
+    y = u.astype(wide) + held
     new = _saturated(p_wide + y, p.dtype).astype(p.dtype)
     units = _units(
         y - (new.astype(wide) - p_wide), new.astype(wide), p.dtype, wide, bits
@@ -164,7 +173,7 @@ def _kahan(p: Any, u: Any, k: Any) -> tuple[Any, Any]:
     step = new.astype(wide) - p_wide
     units = _units(y - step, new.astype(wide), p.dtype, wide, bits)
     units = jnp.where(jnp.isfinite(units), jnp.clip(units, -top, top), 0)
-    return step, units.astype(k.dtype)
+    return step, units.astype(buffer)
 
 
 def compensated(
@@ -232,7 +241,9 @@ def compensated(
         leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
         comps = treedef.flatten_up_to(state.compensation)
-        pairs = [_kahan(p, u, c) for p, u, c in zip(leaves, ups, comps, strict=True)]
+        pairs = [
+            _kahan(p, u, c, buffer) for p, u, c in zip(leaves, ups, comps, strict=True)
+        ]
         steps = jax.tree.unflatten(treedef, [s for s, _ in pairs])
         comp = jax.tree.unflatten(treedef, [c for _, c in pairs])
         return steps, CompensatedState(inner_state, comp)

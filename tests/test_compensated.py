@@ -136,6 +136,30 @@ def test_the_buffer_costs_what_its_dtype_says():
 
 
 @pytest.mark.parametrize("dtype", NARROW)
+def test_a_jls_0_3_buffer_or_another_width_is_carried_over(dtype):
+    # jls 0.3 kept the lost part itself, in the parameter's dtype; a state
+    # restored from its checkpoint (or one made with the other buffer_dtype)
+    # must continue with that part as a count, never read its bits as one.
+    p = jnp.asarray([1.0, -3.0, 0.5, 1.0], dtype)
+    part = np.asarray([0.25, -0.375, 0.125, 0.0])  # of each spacing
+    spacing = _spacing(p, dtype)
+    tx16 = jls.precision.compensated(_given())
+    tx8 = jls.precision.compensated(_given(), buffer_dtype="int8")
+    zero = jnp.zeros(4, dtype)
+    want = (part * 2**16).astype(np.int16)
+    old = tx16.init(p)._replace(compensation=jnp.asarray(part * spacing, dtype))
+    counts8 = tx8.init(p)._replace(compensation=jnp.asarray(part * 2**8, jnp.int8))
+    for tx, state in ((tx16, old), (tx16, counts8)):
+        step, after = jax.jit(tx.update)(zero, state, p)
+        assert after.compensation.dtype == jnp.int16
+        np.testing.assert_array_equal(after.compensation, want)
+        np.testing.assert_array_equal(step, np.zeros(4))
+    step, after = tx8.update(zero, old, p)
+    assert after.compensation.dtype == jnp.int8
+    np.testing.assert_array_equal(after.compensation, (part * 2**8).astype(np.int8))
+
+
+@pytest.mark.parametrize("dtype", NARROW)
 def test_small_updates_accumulate_instead_of_vanishing(dtype):
     p0 = jnp.full(8, 1.0, dtype)
     lr, steps = 1e-4, 500  # each update far below half of 1's last place
