@@ -32,7 +32,8 @@ per cycle, and the fraction is reported when a cycle completes and held in
 between. A step reads 1/``every`` of the entries inline, beside the
 update, with no conditional: no mode to declare and nothing kept in memory
 for a conditional, whether the caller's jit donates or not; a leaf sharded
-along any axis is read where it lies. ``every=1`` reads every entry on
+along any axis over up to 16 devices is read where it lies (a small leaf
+is read whole, under a mask: `read_phases`). ``every=1`` reads every entry on
 every step. A skipped step reads nothing and does not advance the cycle.
 `warn_if_stagnant` turns the fraction into a warning on the host, where
 you log metrics.
@@ -52,6 +53,7 @@ from jax.core import Tracer
 
 from jls._compat import tracked_in, varying_axes
 from jls._hooks import Hook, LossScalingState, StepInfo
+from jls._shards import global_rows
 from jls._tree import find_all, plain
 from jls._validate import integer
 
@@ -82,15 +84,25 @@ class StagnationWarning(UserWarning):
     """`warn_if_stagnant`'s warning: the updates are being rounded away."""
 
 
-def _block(n: int, every: int) -> int:
+ROWS = 16
+"""Rows (of ``every`` blocks) an axis must hold to be cut: see `_block`."""
+
+
+def _block(n: int, every: int) -> int | None:
     """Entries per block along an axis of ``n`` entries, ``every`` blocks a row.
 
-    The largest power of two up to `BLOCK` that leaves a multiple of 8 rows
-    (so an axis sharded over up to 8 devices, or a multiple, is cut in
-    whole rows per shard, and the read stays local); 1 if none does.
+    An axis is cut only into a multiple of `ROWS` rows, so that an axis
+    sharded over a power of two up to 16 devices (or any count dividing
+    the rows) holds whole rows on each, and each step's slice is read
+    where it lies, with no gather. The block is the largest power of two up
+    to `BLOCK` leaving a multiple of 64 rows (consecutive entries read
+    together, and up to 64 devices), else 1; ``None`` when even that
+    leaves no multiple of `ROWS`.
     """
+    if n % (every * ROWS):
+        return None
     block = 1
-    while block < BLOCK and n % (every * block * 2 * 8) == 0:
+    while block < BLOCK and n % (every * block * 2 * 64) == 0:
         block *= 2
     return block
 
@@ -98,15 +110,17 @@ def _block(n: int, every: int) -> int:
 def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
     """The step of the cycle (0 to ``every - 1``) at which each entry is read.
 
-    Along the last axis whose extent ``every`` divides, blocks of `_block`
-    entries take the phases in turn; with no such axis, the entries of the
-    last axis do, one by one. (numpy; what `_read` computes with a slice.)
+    Along the last axis `_block` cuts (its extent a multiple of ``every *
+    ROWS``), blocks of `_block` entries take the phases in turn; with no
+    such axis (a small leaf), the entries of the last axis do, one by one,
+    and the leaf is read whole, under a mask. (numpy; what `_read` computes
+    with a slice.)
     """
     shape = shape or (1,)
     for axis in range(len(shape) - 1, -1, -1):
-        n = shape[axis]
-        if n % every == 0:
-            index = np.arange(n) // _block(n, every) % every
+        block = _block(shape[axis], every)
+        if block is not None:
+            index = np.arange(shape[axis]) // block % every
             break
     else:
         axis, index = len(shape) - 1, np.arange(shape[-1]) % every
@@ -119,14 +133,14 @@ def _read(x: jax.Array, phase: jax.Array, every: int) -> tuple[jax.Array, Any]:
     """The entries of ``x`` read at ``phase`` (`read_phases`): ``(entries, mask)``.
 
     A dynamic slice of every ``every``-th block along one axis (no other
-    axis is touched, so a leaf sharded along any axis is read where it
-    lies); with no axis that ``every`` divides, all of ``x`` and a mask.
+    axis is touched, and the cut one holds whole rows per shard: a leaf
+    sharded along any axis is read where it lies); with no axis `_block`
+    cuts, all of ``x`` and a mask.
     """
     x = jnp.reshape(x, x.shape or (1,))
     for axis in range(x.ndim - 1, -1, -1):
-        n = x.shape[axis]
-        if n % every == 0:
-            block = _block(n, every)
+        n, block = x.shape[axis], _block(x.shape[axis], every)
+        if block is not None:
             split = x.shape[:axis] + (n // (every * block), every, block)
             y = jnp.reshape(x, split + x.shape[axis + 1 :])
             read = lax.dynamic_index_in_dim(y, phase, axis=axis + 1, keepdims=False)
@@ -164,23 +178,22 @@ def _entry_counts(new: Any, u: Any, valid: Any) -> tuple[jax.Array, jax.Array]:
     )
 
 
-def _agreed(stuck: jax.Array, moving: jax.Array, named: tuple[str, ...]) -> Any:
-    """The counts over every replica and shard, as `jls.hooks.ScaleStats` adds them.
+def _agreed(rows: list[jax.Array], named: tuple[str, ...]) -> tuple[Any, Any]:
+    """``(stuck, moving)`` over every replica and shard, as float32 scalars.
 
-    A leaf sharded over a ``shard_map`` axis has its counts added over it;
-    where jax records no varying axes (``pmap``, ``check_vma=False``) counts
-    that differ across ``axis_name`` are taken as shards (added), equal ones
-    as replicas (kept).
+    Each leaf's row is made global on its own (`jls._shards.global_rows`, as
+    `jls.hooks.ScaleStats` does): a leaf sharded over a ``shard_map`` axis
+    adds over it, a replicated leaf does not. Where jax records no varying
+    axes (``pmap``, ``check_vma=False``) a row that differs across an axis
+    is a shard's (added), an equal one a replica's (kept). The result is
+    the same on every device, so the state stays replicated.
     """
-    both = jnp.stack([stuck, moving])
-    tracked = tracked_in(both, named)
-    shards = tuple(sorted(varying_axes(both))) if tracked else ()
-    if shards:
-        both = lax.psum(both, shards)
-    if named and not tracked:
-        same = jnp.all(lax.pmax(both, named) == lax.pmin(both, named))
-        both = jnp.where(same, both, lax.psum(both, named))
-    return both[0], both[1]
+    if not rows:
+        return jnp.float32(0), jnp.float32(0)
+    tracked = tracked_in(rows, named)
+    varying = [varying_axes(r) if tracked else frozenset() for r in rows]
+    total = jnp.sum(jnp.stack(global_rows(rows, varying, named, tracked, added=2)), 0)
+    return total[0], total[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,35 +244,36 @@ class Stagnation(Hook):
         return True
 
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
-        """``(stuck, moving)``: this replica's counts of the entries read, float32."""
+        """Per leaf, ``[stuck, moving]``: this device's counts of the entries read.
+
+        A list of float32 vectors, one per floating leaf (kept apart: a
+        sharded leaf's counts add over its shards, a replicated leaf's do
+        not, `update`).
+        """
         leaves, treedef = jax.tree.flatten(new_params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
-        stuck, moving = jnp.float32(0), jnp.float32(0)
+        phase = state.phase % self.every  # a state from another cycle length
+        rows = []
         for p, u in zip(leaves, ups, strict=True):
             dtype = getattr(p, "dtype", None)
             if u is None or dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
                 continue
-            s, m = _counts(p, u, state.phase, self.every)
-            stuck, moving = stuck + s, moving + m
-        return stuck, moving
+            rows.append(jnp.stack(_counts(p, u, phase, self.every)))
+        return rows
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> StagnationState:
         del vetoed
         assert info.applied is not None and info.reads is not None
-        read_stuck, read_moving = info.reads[self.name]  # zeros on a skipped step
+        rows = info.reads[self.name]  # zeros on a skipped step
+        read_stuck, read_moving = _agreed(rows, tuple(info.axis_name))
         stuck = state.stuck + read_stuck
         moving = state.moving + read_moving
         phase = jnp.where(info.applied, state.phase + 1, state.phase)
-        done = phase == self.every
-
-        def measured() -> jax.Array:
-            s, m = _agreed(stuck, moving, tuple(info.axis_name))
-            return jnp.where(m > 0, s / jnp.maximum(m, 1), 0).astype(jnp.float32)
-
-        fraction = lax.cond(done, measured, lambda: state.stagnant_fraction)
+        done = phase >= self.every
+        measured = jnp.where(moving > 0, stuck / jnp.maximum(moving, 1), 0)
         zero = jnp.float32(0)
         return StagnationState(
-            fraction,
+            jnp.where(done, measured, state.stagnant_fraction).astype(jnp.float32),
             jnp.where(done, 0, phase).astype(jnp.int32),
             jnp.where(done, zero, stuck),
             jnp.where(done, zero, moving),

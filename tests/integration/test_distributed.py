@@ -57,18 +57,36 @@ def test_a_skip_whose_old_and_new_values_are_placed_differently_runs():
         assert case == {"unchanged": [False, True], "scale": 16384.0}
 
 
-def test_stagnation_reads_sharded_parameters_where_they_lie():
+@pytest.fixture(scope="module")
+def stagnation_mesh():
+    return json.loads(_run([DIST / "stagnation_mesh.py"], 8).strip().splitlines()[-1])
+
+
+def test_stagnation_reads_sharded_parameters_where_they_lie(stagnation_mesh):
     # Stagnation(every=16) reads a block in 16 of each leaf: cut along an
     # axis sharded over 8 devices, whole rows per shard, it gathers nothing
     # (blocks grown to 16 entries without that rule made 4 all-gathers
     # here). Its one addition: the counts' all-reduce.
-    result = json.loads(_run([DIST / "stagnation_mesh.py"], 8).strip().splitlines()[-1])
-    none = result["none"]
+    none = stagnation_mesh["none"]
     for name in ("every16", "every1"):
-        got = result[name]
+        got = stagnation_mesh[name]
         for kind in ("all-gather", "all-to-all", "collective-permute"):
             assert got[kind] == none[kind] == 0, (name, got)
         assert got["all-reduce"] <= none["all-reduce"] + 1, (name, got)
+
+
+def test_stagnation_counts_a_replicated_leaf_once_beside_a_sharded_one(
+    stagnation_mesh,
+):
+    # 8 replicated entries, all stuck, beside 36 moving entries of a leaf
+    # sharded 8 ways: 8 / 44 on every mesh (summing the leaves before
+    # agreeing gave 0.5: the replicated leaf counted 8 times, or the shards'
+    # total read as a replica's). Under check_vma=True the state comes back
+    # replicated (out_specs=P()).
+    want = pytest.approx(8 / 44, rel=1e-6)
+    assert stagnation_mesh["shard_map_vmaTrue"] == want
+    assert stagnation_mesh["shard_map_vmaFalse"] == want
+    assert stagnation_mesh["pmap"] == [want] * 8
 
 
 @pytest.fixture(scope="module")

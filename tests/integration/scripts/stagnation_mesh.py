@@ -5,7 +5,11 @@ Usage: stagnation_mesh.py   (8 host devices)
 Parameters sharded over 8 devices along their first or last axis, or
 replicated, under jax.jit's default (Auto) mesh: the fused step is compiled
 without the hook, with Stagnation(every=16) and with Stagnation(every=1),
-and the collectives of each are counted. Prints one JSON line.
+and the collectives of each are counted. Then a replicated leaf (8
+entries, every update rounded away) beside a sharded one (shard d moves
+d + 1 of its 8 entries, the rest have no update) under shard_map
+(check_vma True and False) and pmap, a cycle of 2 steps: the fraction, and
+whether shard_map could return the state replicated. Prints one JSON line.
 """
 
 import json
@@ -27,6 +31,8 @@ specs = {
     "vector": ((2048,), P("dp")),
     "head": ((768, 10), P("dp", None)),
     "replicated": ((7, 3), P()),
+    "wide": ((256, 2048), P(None, "dp")),
+    "tiny": ((8,), P("dp")),
 }
 params = {k: jnp.ones(shape) for k, (shape, _) in specs.items()}
 placed = {k: NamedSharding(mesh, spec) for k, (_, spec) in specs.items()}
@@ -46,4 +52,42 @@ for name, hooks in [
     text = jax.jit(step).lower(params, tx.init(params), params).compile().as_text()
     assert text is not None
     result[name] = {k: len(re.findall(rf" {k}(-start)?\(", text)) for k in COLLECTIVES}
+
+bf16 = jnp.bfloat16
+mixed = {"r": jnp.ones(8, bf16), "s": jnp.ones(64, bf16)}
+moving = (np.arange(64) % 8 < np.arange(64) // 8 + 1).astype(np.float32)
+grads = {"r": jnp.full(8, 1e-4), "s": jnp.asarray(0.1 * moving)}
+tx = jls.loss_scaling(
+    optax.sgd(-1.0), jls.no_scale(), axis_name="dp", hooks=[jls.hooks.Stagnation(2)]
+)
+specs = {"r": P(), "s": P("dp")}
+
+
+def body(g, s, p):
+    return jls.apply_gradients(tx, g, s, p)
+
+
+for vma in (True, False):
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, P(), specs),
+            out_specs=(specs, P()),
+            check_vma=vma,
+        )
+    )
+    p, s = mixed, tx.init(mixed)
+    for _ in range(2):
+        p, s = f(grads, s, p)
+    result[f"shard_map_vma{vma}"] = float(jls.metrics(s)["stagnant_fraction"])
+
+split = {"r": jnp.stack([mixed["r"]] * 8), "s": mixed["s"].reshape(8, 8)}
+split_grads = {"r": jnp.stack([grads["r"]] * 8), "s": grads["s"].reshape(8, 8)}
+state = jax.tree.map(lambda x: jnp.stack([x] * 8), tx.init(mixed))
+f = jax.pmap(body, axis_name="dp")
+p, s = split, state
+for _ in range(2):
+    p, s = f(split_grads, s, p)
+result["pmap"] = np.asarray(jls.metrics(s)["stagnant_fraction"]).tolist()
 print(json.dumps(result))
