@@ -9,6 +9,7 @@ keys, a bitwise restore, float16 compute) has that promise checked below.
 
 import contextlib
 import io
+import json
 import os
 import pathlib
 import re
@@ -184,3 +185,32 @@ def test_the_first_two_commands_install_and_run_the_demo_on_a_fresh_machine(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "f16-jls" in out.stdout and (tmp_path / "out" / "demo.png").exists()
+
+
+def test_the_step_table_prints_the_stored_benchmark():
+    # The README's performance table is benchmarks/results/cpu/bench_step.json
+    # (bench_step.py --model all --rounds 15 --json), rounded: not donated /
+    # donated, jls's steps donated without declaring it.
+    runs = json.loads((ROOT / "benchmarks/results/cpu/bench_step.json").read_text())
+    rows = {
+        "jls fused": "jls_fused",
+        "jls `tx.update`": "jls_update",
+        "jls off": "jls_off",
+        "`optax.apply_if_finite`": "apply_if_finite",
+        "jmp": "jmp",
+        "flax `DynamicScale`": "flax_dynamic_scale",
+    }
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| step | 27M LM |", 1)[1].split("\n\n", 1)[0]
+    lines = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert len(lines) == len(rows)
+    for line, (label, key) in zip(lines, rows.items(), strict=True):
+        assert line.startswith(f"| {label}"), line
+        cells = [c.strip().rstrip("\\*") for c in line.strip("|").split("|")[1:]]
+        want = []
+        for run in runs:  # lm, mlp, char
+            v = run["variants"]
+            donated = v.get(f"{key} (donated, undeclared)", v[f"{key} (donated)"])
+            r = (v[key]["ratio_of_medians"], donated["ratio_of_medians"])
+            want.append(f"{r[0]:.2f} / {r[1]:.2f}")
+        assert cells == want, (label, cells, want)
