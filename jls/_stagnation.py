@@ -150,7 +150,7 @@ def _read(x: jax.Array, phase: jax.Array, every: int) -> tuple[jax.Array, Any]:
 
 
 def _counts(
-    new: Any, u: Any, phase: jax.Array | None = None, every: int = 1
+    new: Any, u: Any, phase: jax.Array, every: int
 ) -> tuple[jax.Array, jax.Array]:
     """``(stuck, moving)`` entries of one leaf, as float32 scalars.
 
@@ -160,7 +160,7 @@ def _counts(
     (`read_phases`).
     """
     new, u = jnp.asarray(new), jnp.asarray(u)
-    if every == 1 or phase is None:
+    if every == 1:
         return _entry_counts(new, u, True)
     new, mask = _read(new, phase, every)
     u, _ = _read(u, phase, every)
