@@ -243,7 +243,7 @@ def test_the_hook_needs_the_parameters():
         tx.update(params, tx.init(params))
 
 
-def _compiled(hooks, donated):
+def _program(hooks, donated):
     params = {"w": jnp.ones((128, 256)), "b": jnp.ones(256)}  # cut: 256 entries
     tx = jls.loss_scaling(optax.adam(1e-3), hooks=hooks)
 
@@ -252,7 +252,34 @@ def _compiled(hooks, donated):
         return jls.apply_gradients(tx, g, s, p)
 
     jitted = jax.jit(step, donate_argnums=(0, 1) if donated else ())
-    compiled = jitted.lower(params, tx.init(params), jnp.ones((4, 128))).compile()
+    return jitted.lower(params, tx.init(params), jnp.ones((4, 128))).compile()
+
+
+def _kernels(compiled) -> int:
+    """The entry computation's instructions that run generated code.
+
+    Copies, scalar ones included, are not counted: they compile to no code.
+    """
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY") :]
+    kinds = r"^\s*(?:ROOT )?%\S+ = .* (?:fusion|reduce|dynamic-slice)\("
+    return len(re.findall(kinds, entry, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("donated", [False, True], ids=["undonated", "donated"])
+def test_reading_adds_three_kernels_a_leaf(donated):
+    # Per leaf: the updates made apart from the parameter's update (they are
+    # read twice), one reduction counting both (two sums made XLA:CPU write
+    # each mask out and read it back: five kernels a leaf), and the leaf's row.
+    # A kernel is compile time on XLA:CPU and a launch on a GPU, each step.
+    plain = _kernels(_program((), donated))
+    for every in (16, 1):
+        read = _kernels(_program((jls.hooks.Stagnation(every),), donated))
+        assert read <= plain + 3 * 2 + 2, (every, plain, read)
+
+
+def _compiled(hooks, donated):
+    compiled = _program(hooks, donated)
     copies = len(re.findall(r"= f32\[128,256\]\S* copy\(", compiled.as_text()))
     stats = compiled.memory_analysis()
     assert stats is not None, "this backend reports no memory analysis"
