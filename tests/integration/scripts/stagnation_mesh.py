@@ -4,8 +4,9 @@ Usage: stagnation_mesh.py   (8 host devices)
 
 Parameters sharded over 8 devices along their first or last axis, or
 replicated, under jax.jit's default (Auto) mesh: the fused step is compiled
-without the hook, with Stagnation(every=16) and with Stagnation(every=1),
-and the collectives of each are counted. Then a replicated leaf (8
+without the hook, with Stagnation(every=16), with Stagnation(every=1) and
+with scale_stats=True (its one reduction per leaf is the same kind), and
+the collectives of each are counted. Then a replicated leaf (8
 entries, every update rounded away) beside a sharded one (shard d moves
 d + 1 of its 8 entries, the rest have no update) under shard_map
 (check_vma True and False) and pmap, a cycle of 2 steps: the fraction, and
@@ -43,8 +44,12 @@ for name, hooks in [
     ("none", ()),
     ("every16", (jls.hooks.Stagnation(16),)),
     ("every1", (jls.hooks.Stagnation(1),)),
+    ("scale_stats", ()),
 ]:
-    tx = jls.loss_scaling(optax.adam(1e-3), jls.dynamic_scale(), hooks=hooks)
+    stats = name == "scale_stats"
+    tx = jls.loss_scaling(
+        optax.adam(1e-3), jls.dynamic_scale(), hooks=hooks, scale_stats=stats
+    )
 
     def step(p, s, g, tx=tx):
         return jls.apply_gradients(tx, g, s, p)
