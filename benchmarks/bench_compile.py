@@ -21,9 +21,6 @@ on its own, built from public pieces, to show where the time goes:
                   ``1 / scale`` inside the branch: the unscaling.
   plain_all_three ``plain_unscaled`` whose flag is also ``jls.all_finite``: the
                   three together, without the rest of jls (scale rule, state).
-  jls_fused_scalars_apart  the fused step with each of the state's scalars
-                  made by a fusion of its own (jls before 0.4's
-                  ``jls._together``): what making them in one kernel saves.
   jls_update_two_factors  ``tx.update`` with a scaler whose ``max_scale``
                   is the float32 maximum: the exact two-factor unscale
                   (``(g * a) * b``) that only such scalers (the presets of
@@ -47,7 +44,6 @@ import optax
 from bench_step import make_problem, make_variants
 
 import jls
-from jls import _core
 
 VARIANTS = ("plain", "jls_fused", "jls_update")
 DONATED = " (donated)"
@@ -114,22 +110,7 @@ def make_parts(loss_fn, params) -> dict:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    # jls 0.4 makes the state's scalars in one kernel (jls._together); this
-    # is the fused step with each made by a fusion of its own, as before.
-    fused = jls.loss_scaling(adam, jls.dynamic_scale(2.0**15, growth_interval=10**6))
-
-    @jax.jit
-    def scalars_apart(params, state, batch):
-        grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(params)
-        saved = _core.together
-        _core.together = lambda owned, inner: (owned, inner)
-        try:
-            return jls.apply_gradients(fused, grads, state, params)
-        finally:
-            _core.together = saved
-
     return {
-        "jls_fused_scalars_apart": (scalars_apart, fused.init(params)),
         "jls_update_two_factors": (two_factors, tx.init(params)),
         "plain_checked": (plain_checked, state),
         "plain_in_cond": (in_cond(False), state),

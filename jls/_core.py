@@ -55,7 +55,6 @@ from jls._hooks import LossScalingState, StepInfo, read_updates
 from jls._off import off_step, warn_float16
 from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
 from jls._state import LossScaleState, check_state
-from jls._together import together
 from jls._tree import holds, merge, split_frozen, split_inexact
 
 
@@ -253,7 +252,6 @@ def finish(
         h.name: h.update(state.hooks[h.name], after, vetoed.get(h.name, no_veto))
         for h in config.hooks
     }
-    (loss_scale, hooks), inner_state = together((loss_scale, hooks), inner_state)
     return out, LossScalingState(loss_scale, inner_state, hooks)
 
 
