@@ -128,6 +128,37 @@ def sharded_in_its_type(x: jax.Array) -> bool:
     )
 
 
+def one_reduction_is_safe(x: jax.Array) -> bool:
+    """Whether several reductions of ``x`` may be one variadic ``lax.reduce``.
+
+    Only in a process with one device: the partitioner gathers the operands
+    of a sharded variadic reduction, and a leaf may be sharded where its
+    type does not say so (``jax.jit(..., in_shardings=...)`` over arrays not
+    yet placed), so with several devices it is two reductions.
+    """
+    return jax.device_count() == 1 and not sharded_in_its_type(x)
+
+
+def _add(a: Any, b: Any) -> tuple[Any, ...]:
+    # One function for every call: lax.reduce caches its computation by it
+    # (a new lambda per call compiled the reduction anew on every eager step).
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
+def counts(*masks: jax.Array) -> tuple[jax.Array, ...]:
+    """The int32 count of each of ``masks`` (bool arrays of one shape).
+
+    One variadic reduction where that is safe (`one_reduction_is_safe`): one
+    kernel reading the entries once, where a sum each made XLA:CPU write
+    each mask out and read it back.
+    """
+    if not one_reduction_is_safe(masks[0]):
+        return tuple(jnp.sum(m, dtype=jnp.int32) for m in masks)
+    ints = tuple(m.astype(jnp.int32) for m in masks)
+    zeros = tuple(jnp.int32(0) for _ in masks)
+    return tuple(lax.reduce(ints, zeros, _add, tuple(range(masks[0].ndim))))
+
+
 def is_complex(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.complexfloating)
 

@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 from jls._compat import tracked_in, varying_axes
-from jls._finite import inexact_leaves, is_complex, sharded_in_its_type
+from jls._finite import inexact_leaves, is_complex, one_reduction_is_safe
 from jls._hooks import Hook, HookContext, StepInfo
 from jls._scaling import compute_dtype
 from jls._shards import global_rows
@@ -75,23 +75,25 @@ def _largest_part(x: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
 
 
+def _largest_and_count(x: Any, y: Any) -> tuple[Any, Any]:
+    # One function for every call: lax.reduce caches its computation by it
+    # (a new function per call compiled the reduction anew on every eager step).
+    return jnp.maximum(x[0], y[0]), x[1] + y[1]
+
+
 def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(max(a), sum(small))`` in one variadic reduction.
 
-    Two reductions where ``a`` may be sharded across devices: the
-    partitioner gathers a sharded variadic reduction's operands (12
-    all-gathers of the gradients on an 8-device mesh,
-    ``tests/integration/scripts/stagnation_mesh.py``).
+    Two reductions where ``a`` may be sharded across devices
+    (`jls._finite.one_reduction_is_safe`): the partitioner gathers a sharded
+    variadic reduction's operands (12 all-gathers of the gradients on an
+    8-device mesh, ``tests/integration/scripts/stagnation_mesh.py``).
     """
-    if sharded_in_its_type(a):
+    if not one_reduction_is_safe(a):
         return jnp.max(a), jnp.sum(small, dtype=jnp.int32)
-
-    def body(x, y):
-        return jnp.maximum(x[0], y[0]), x[1] + y[1]
-
     dims = tuple(range(a.ndim))
     init = (jnp.zeros((), a.dtype), jnp.int32(0))
-    high, count = lax.reduce((a, small), init, body, dims)
+    high, count = lax.reduce((a, small), init, _largest_and_count, dims)
     return high, count
 
 

@@ -52,7 +52,7 @@ from jax import lax
 from jax.core import Tracer
 
 from jls._compat import tracked_in, varying_axes
-from jls._finite import sharded_in_its_type
+from jls._finite import counts
 from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._shards import global_rows
 from jls._tree import find_all, plain
@@ -173,20 +173,7 @@ def _entry_counts(new: Any, u: Any, valid: Any) -> tuple[jax.Array, jax.Array]:
     again = jnp.asarray(new + u).astype(new.dtype)  # as optax.apply_updates adds
     moving = (u != 0) & valid
     stuck = moving & (again == new)
-    stuck, moving = jnp.broadcast_arrays(stuck, moving)
-    if sharded_in_its_type(stuck):
-        # The partitioner gathers a sharded variadic reduction's operands.
-        counted = (jnp.sum(stuck, dtype=jnp.int32), jnp.sum(moving, dtype=jnp.int32))
-    else:
-        # Both counts in one variadic reduction: one kernel reading the entries
-        # once (two sums made XLA:CPU write each mask out and read it back).
-        zero = jnp.int32(0)
-        counted = lax.reduce(
-            (stuck.astype(jnp.int32), moving.astype(jnp.int32)),
-            (zero, zero),
-            lambda a, b: (a[0] + b[0], a[1] + b[1]),
-            tuple(range(stuck.ndim)),
-        )
+    counted = counts(*jnp.broadcast_arrays(stuck, moving))
     return counted[0].astype(jnp.float32), counted[1].astype(jnp.float32)
 
 

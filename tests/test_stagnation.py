@@ -4,6 +4,7 @@
 # pyright: reportArgumentType=false, reportCallIssue=false
 
 import functools
+import logging
 import re
 import warnings
 
@@ -270,12 +271,13 @@ def _kernels(compiled) -> int:
 def test_reading_adds_three_kernels_a_leaf(donated):
     # Per leaf: the updates made apart from the parameter's update (they are
     # read twice), one reduction counting both (two sums made XLA:CPU write
-    # each mask out and read it back: five kernels a leaf), and the leaf's row.
-    # A kernel is compile time on XLA:CPU and a launch on a GPU, each step.
+    # each mask out and read it back: five kernels a leaf), and the leaf's row;
+    # and one for each of the hook's four scalars. A kernel is compile time on
+    # XLA:CPU and a launch on a GPU, each step.
     plain = _kernels(_program((), donated))
     for every in (16, 1):
         read = _kernels(_program((jls.hooks.Stagnation(every),), donated))
-        assert read <= plain + 3 * 2 + 2, (every, plain, read)
+        assert read <= plain + 3 * 2 + 4, (every, plain, read)
 
 
 def _compiled(hooks, donated):
@@ -351,3 +353,35 @@ def test_warn_if_stagnant_refuses_what_it_cannot_read():
         jls.hooks.warn_if_stagnant(plain)
     with pytest.raises(TypeError, match="on the host after the step"):
         jax.jit(jls.hooks.warn_if_stagnant)(state)
+
+
+def test_eager_steps_compile_nothing_after_the_first():
+    # lax.reduce caches its computation by the function it is given: a new
+    # lambda per call compiled the counting reduction on every eager step
+    # (200 compiles in 100 steps, memory growing), here and in ScaleStats.
+    compiles = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "Compiling" in record.getMessage():
+                compiles.append(record)
+
+    tx = jls.loss_scaling(
+        optax.adam(1e-3),
+        jls.dynamic_scale(),
+        hooks=[jls.hooks.Stagnation(1)],
+        scale_stats=True,
+    )
+    params = {"w": jnp.ones(4)}
+    state, grads = tx.init(params), {"w": jnp.full(4, 0.5)}
+    _, state = tx.update(grads, state, params)  # compiles what it needs
+    logger = logging.getLogger("jax")
+    handler = Count()
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            for _ in range(3):
+                _, state = tx.update(grads, state, params)
+    finally:
+        logger.removeHandler(handler)
+    assert compiles == []

@@ -70,14 +70,22 @@ def test_stagnation_reads_sharded_parameters_where_they_lie(stagnation_mesh):
     # one variadic reduction only where the leaf is not sharded: the
     # partitioner gathered a sharded one's operands (12 all-gathers here,
     # and as many under scale_stats=True, whose statistics are the same kind).
-    none = stagnation_mesh["none"]
-    for name in ("every16", "every1", "scale_stats"):
-        got = stagnation_mesh[name]
-        for kind in ("all-gather", "all-to-all", "collective-permute"):
-            assert got[kind] == none[kind] == 0, (name, got)
-        # The statistics agree on a count and a largest magnitude: two.
-        added = 2 if name == "scale_stats" else 1
-        assert got["all-reduce"] <= none["all-reduce"] + added, (name, got)
+    # With in_shardings over host arrays the types name no mesh: with several
+    # devices the counts are two reductions whatever the type says (the one
+    # variadic reduction gathered 4 partial counts there). The hooks add no
+    # collective there either; the step without them gathers its small
+    # sharded leaves there (3: the check concatenates the leaves its types do
+    # not show sharded, a known gap, docs/guarantees.md).
+    assert stagnation_mesh["none"]["all-gather"] == 0
+    for jitted in ("", " in_shardings"):
+        none = stagnation_mesh["none" + jitted]
+        for name in ("every16", "every1", "scale_stats"):
+            got = stagnation_mesh[name + jitted]
+            for kind in ("all-gather", "all-to-all", "collective-permute"):
+                assert got[kind] == none[kind], (name + jitted, got)
+            # The statistics agree on a count and a largest magnitude: two.
+            added = 2 if name == "scale_stats" else 1
+            assert got["all-reduce"] <= none["all-reduce"] + added, (name, got)
 
 
 def test_stagnation_counts_a_replicated_leaf_once_beside_a_sharded_one(

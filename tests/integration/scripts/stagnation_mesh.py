@@ -6,7 +6,8 @@ Parameters sharded over 8 devices along their first or last axis, or
 replicated, under jax.jit's default (Auto) mesh: the fused step is compiled
 without the hook, with Stagnation(every=16), with Stagnation(every=1) and
 with scale_stats=True (its one reduction per leaf is the same kind), and
-the collectives of each are counted. Then a replicated leaf (8
+the collectives of each are counted, under jax.jit over placed arrays and
+with in_shardings over host arrays. Then a replicated leaf (8
 entries, every update rounded away) beside a sharded one (shard d moves
 d + 1 of its 8 entries, the rest have no update) under shard_map
 (check_vma True and False) and pmap, a cycle of 2 steps: the fraction, and
@@ -57,6 +58,22 @@ for name, hooks in [
     text = jax.jit(step).lower(params, tx.init(params), params).compile().as_text()
     assert text is not None
     result[name] = {k: len(re.findall(rf" {k}(-start)?\(", text)) for k in COLLECTIVES}
+    # The same step as jax.jit(..., in_shardings=...) over arrays not yet
+    # placed: the leaves' types name no mesh there.
+    state = jax.tree.map(np.asarray, tx.init(params))
+    laid = jax.jit(
+        step,
+        in_shardings=(
+            placed,
+            jax.tree.map(lambda _: NamedSharding(mesh, P()), state),
+            placed,
+        ),
+    )
+    host = jax.tree.map(np.asarray, params)
+    text = laid.lower(host, state, host).compile().as_text()
+    assert text is not None
+    counts = {k: len(re.findall(rf" {k}(-start)?\(", text)) for k in COLLECTIVES}
+    result[name + " in_shardings"] = counts
 
 bf16 = jnp.bfloat16
 mixed = {"r": jnp.ones(8, bf16), "s": jnp.ones(64, bf16)}
