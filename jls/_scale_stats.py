@@ -15,8 +15,9 @@ as the step receives them, against the compute dtype (float16 unless told):
   by its larger component; float64 gradients are judged in float64.
 
 Both come from one variadic reduction per leaf (the largest magnitude and
-the count of small ones together), which XLA fuses with the gradient's
-producer as it does the check. Every replica reports the same, as for the
+the count of small ones together; two reductions in a process with several
+devices, `_reduce`), which XLA fuses with the gradient's producer as it
+does the check. Every replica reports the same, as for the
 gradient norm (`jls._squares`): a leaf sharded over a ``shard_map`` axis has
 its counts added over it; where jax records no varying axes (``pmap``,
 ``check_vma=False``) a leaf whose statistics differ across ``axis_name`` is
