@@ -30,6 +30,12 @@ Design (chosen by measurement: ``benchmarks/bench_all_finite.py`` re-runs it,
   to the compile time of the README's LM). The multiplication is exact except where it
   flushes a tiny magnitude to zero, which cannot change finiteness; it is not factored
   out of the sum (``tests/test_finite.py`` checks a leaf of near-maximal values).
+* Leaves of one size get different powers, ``2**-(k + j)`` for the ``j``-th of
+  them (`TWINS` apart at most): any power at least ``2**-k`` keeps the promise, and
+  a shared constant made XLA:CPU's CSE share one broadcast of it, which its YNN
+  reduction fusions then read as an array beside each leaf instead of a
+  scalar. On the char LM's donated step that cost 1.39x plain Adam where
+  distinct powers cost 1.02x (``benchmarks/probe_char_check.py --donate``).
 * Leaves of at most ``SMALL_LEAF`` elements (biases, norm scales) are checked
   together, one reduction per compute dtype over their concatenation: each
   reduction is a kernel XLA compiles, and on the README's LM 63 of the 101
@@ -63,6 +69,7 @@ from jls._scaling import compute_dtype, unscale_tree
 _NATIVE_CHECK_MAX_BITS = 16  # float16 and fp8: test in the leaf's own format
 SMALL_LEAF = 2**14  # leaves this small share one reduction
 SMALL_GROUP = 2**17  # elements the small leaves share a reduction over (a temporary)
+TWINS = 64  # distinct shrinks for leaves of one size: 2**-(31 + 8 + 63) is normal
 
 
 def runs(parts: list[Any]) -> list[list[Any]]:
@@ -170,13 +177,17 @@ def exact(leaves: list[jax.Array]) -> jax.Array:
     return ok
 
 
-def _shrunk_sum(parts: list[jax.Array], size: int, dtype: Any) -> jax.Array:
+def _shrunk_sum(
+    parts: list[jax.Array], size: int, dtype: Any, twin: int = 0
+) -> jax.Array:
     """``sum(|x| * 2**-k)`` over ``parts`` in ``dtype``, ``2**k >= 256 * size``.
 
-    Several parts are cast and concatenated first, so that the magnitude and
-    the shrink are one kernel.
+    ``k`` is the least such power plus ``twin`` (the leaf's rank among those
+    of its size, see the module notes). Several parts are cast and
+    concatenated first, so that the magnitude and the shrink are one kernel.
     """
-    shrink = jnp.asarray(2.0 ** -((size - 1).bit_length() + 8), dtype)
+    exponent = (size - 1).bit_length() + 8 + twin % TWINS
+    shrink = jnp.asarray(2.0**-exponent, dtype)
     if len(parts) > 1:
         flat = jnp.concatenate([x.astype(dtype).ravel() for x in parts])
     else:
@@ -195,6 +206,7 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
     """
     flags = []
     small: dict[Any, list[jax.Array]] = {}
+    twins: dict[Any, int] = {}  # large parts of each size and dtype so far
     for x in leaves:
         if _checked_natively(x.dtype):
             flags.append(jnp.all(jnp.isfinite(x)))
@@ -204,7 +216,10 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
         if x.size <= SMALL_LEAF and not sharded_in_its_type(x):
             small.setdefault(wide, []).extend(parts)
         else:
-            flags.extend(jnp.isfinite(_shrunk_sum([p], p.size, wide)) for p in parts)
+            for p in parts:
+                twin = twins.get((p.size, wide), 0)
+                twins[(p.size, wide)] = twin + 1
+                flags.append(jnp.isfinite(_shrunk_sum([p], p.size, wide, twin)))
     for wide, parts in small.items():
         for run in runs(parts):
             size = sum(p.size for p in run)

@@ -56,6 +56,44 @@ def test_no_false_positive_when_a_plain_sum_overflows(dtype, size):
     assert not bool(all_finite([tree[0].at[0].set(-np.inf), tree[1]]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_leaves_of_one_size_are_exact_whatever_their_rank(dtype):
+    # Leaves of one size get distinct shrinks 2**-(k + j), j < TWINS: the
+    # smallest of them must still keep near-maximal values finite, the last
+    # rank must still see inf and nan, and the ranks wrap past TWINS.
+    from jls._finite import SMALL_LEAF, TWINS
+
+    n = TWINS + 3
+    big = jnp.finfo(dtype).max
+    leaves = [jnp.full((SMALL_LEAF + 1,), big, dtype) for _ in range(n)]
+    assert bool(all_finite(leaves))
+    for rank in (0, TWINS - 1, TWINS, n - 1):
+        for bad in BAD:
+            broken = list(leaves)
+            broken[rank] = broken[rank].at[rank].set(bad)
+            assert not bool(all_finite(broken)), (rank, bad)
+
+
+def test_leaves_of_one_size_read_no_broadcast_of_the_shrink():
+    # A shrink shared by leaves of one size was one broadcast, which XLA:CPU's
+    # YNN reductions read as an array beside each leaf (a temporary of a leaf's
+    # size; the char LM's donated step cost 1.39x plain Adam with it): each
+    # leaf's shrink is now its own constant, which every reduction takes as a
+    # scalar.
+    x = jax.random.normal(jax.random.key(0), (512, 512), jnp.float32)
+
+    def grads(x):
+        return [x @ (x + i) for i in range(4)]  # produced in the jit, by dots
+
+    compiled = jax.jit(lambda x: jls.all_finite(grads(x))).lower(x).compile()
+    alone = jax.jit(lambda x: grads(x)[0].sum()).lower(x).compile()
+    extra = (
+        compiled.memory_analysis().temp_size_in_bytes
+        - alone.memory_analysis().temp_size_in_bytes
+    )
+    assert extra < x.nbytes, extra
+
+
 def test_no_false_positive_with_the_producer_fused_into_the_check():
     # The gradient is produced in the same jit: XLA fuses the product into the
     # check's reduction. Near-maximal finite products must pass, and a
