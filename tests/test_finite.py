@@ -79,19 +79,20 @@ def test_leaves_of_one_size_read_no_broadcast_of_the_shrink():
     # YNN reductions read as an array beside each leaf (a temporary of a leaf's
     # size; the char LM's donated step cost 1.39x plain Adam with it): each
     # leaf's shrink is now its own constant, which every reduction takes as a
-    # scalar.
+    # scalar. Measured against the same sums of magnitudes unshrunk (what XLA
+    # keeps of the gradients themselves differs by version).
     x = jax.random.normal(jax.random.key(0), (512, 512), jnp.float32)
 
-    def grads(x):
-        return [x @ (x + i) for i in range(4)]  # produced in the jit, by dots
+    def temp(reduce):
+        def check(x):
+            return reduce([x @ (x + i) for i in range(4)])  # produced by dots
 
-    compiled = jax.jit(lambda x: jls.all_finite(grads(x))).lower(x).compile()
-    alone = jax.jit(lambda x: grads(x)[0].sum()).lower(x).compile()
-    extra = (
-        compiled.memory_analysis().temp_size_in_bytes
-        - alone.memory_analysis().temp_size_in_bytes
-    )
-    assert extra < x.nbytes, extra
+        compiled = jax.jit(check).lower(x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    unshrunk = temp(lambda gs: jnp.stack([jnp.sum(jnp.abs(g)) for g in gs]).sum())
+    checked = temp(jls.all_finite)
+    assert checked <= unshrunk + x.nbytes // 4, (checked, unshrunk)
 
 
 def test_no_false_positive_with_the_producer_fused_into_the_check():
