@@ -2,10 +2,11 @@
 
 The default check (`jls.all_finite`) sums ``|x| * 2**-k`` per large leaf: the
 shrink keeps a sum of finite values finite (no false positive, however large
-they are). On XLA:CPU each of those reductions is a YNN fusion, and YNN takes
-the shrink as a materialised broadcast operand (one array per leaf shape,
-shared by the leaves of that shape): the reduction then reads two arrays.
-This probe measures, on one model's gradients, the check alone in several
+they are). On XLA:CPU each of those reductions is a YNN fusion. While leaves
+of one size shared one constant, XLA made it one broadcast and YNN read it as
+an array beside each leaf (the "broadcasts" column); jls now gives each leaf
+of a size its own power of two, and the column counts what is left. This
+probe measures, on one model's gradients, the check alone in several
 forms, then the train step with each of jls's two checks:
 
 check alone (CPU time, interleaved rounds, medians; GB/s of gradient read):
