@@ -87,8 +87,9 @@ def test_leaves_of_one_size_read_no_broadcast_of_the_shrink():
         def check(x):
             return reduce([x @ (x + i) for i in range(4)])  # produced by dots
 
-        compiled = jax.jit(check).lower(x).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
+        stats = jax.jit(check).lower(x).compile().memory_analysis()
+        assert stats is not None
+        return stats.temp_size_in_bytes
 
     unshrunk = temp(lambda gs: jnp.stack([jnp.sum(jnp.abs(g)) for g in gs]).sum())
     checked = temp(jls.all_finite)
