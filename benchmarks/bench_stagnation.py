@@ -10,6 +10,10 @@ in the same donation mode. ``every16`` is the default; ``every1`` reads
 every entry on every step. ``--params bfloat16`` casts the parameters (and
 so Adam's moments) to bfloat16, the case the hook is for. Run:
 ``python benchmarks/bench_stagnation.py --model all --rounds 15``.
+``--clock cpu`` times each sample by the process's CPU time instead: pinned
+to one core (``taskset -c 1 python benchmarks/bench_stagnation.py --clock
+cpu ...``) it counts this process's work alone, which on a shared machine
+resolves differences of a few percent that wall clock does not.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import functools
 import json
 import pathlib
 import sys
+import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -108,8 +114,18 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--params", choices=["float32", "bfloat16"], default="float32", help="dtype"
     )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU time (pin it to one core with taskset)",
+    )
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args(argv)
+    if args.clock == "cpu":
+        bench_step.time = types.SimpleNamespace(perf_counter=time.process_time)
+    print(f"jax {jax.__version__}, {jax.default_backend()}; clock: {args.clock}")
+    print()
     models = ["lm", "mlp", "char"] if args.model == "all" else [args.model]
     results = []
     for m in models:
