@@ -68,8 +68,6 @@ import platform
 import random
 import re
 import sys
-import time
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -389,22 +387,14 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--check", action="store_true", help="verify the forms first")
     parser.add_argument("--seed", type=int, default=0, help="the rounds' order")
-    parser.add_argument(
-        "--clock",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="cpu: time each sample by the process's CPU time (on a shared "
-        "machine, pinned to one core with taskset, it counts only this "
-        "process's own work)",
-    )
+    bench_step.add_clock_option(parser)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     print(
         f"jax {jax.__version__}, optax {optax.__version__}, "
         f"{jax.devices()[0].device_kind}, {platform.processor() or platform.machine()}"
     )
-    if args.clock == "cpu":
-        bench_step.time = types.SimpleNamespace(perf_counter=time.process_time)
+    bench_step.use_clock(args.clock)
     print(f"clock: {args.clock}; cores seen: {len(os.sched_getaffinity(0))}")
     if args.check:
         check(args.forms, args.paths)

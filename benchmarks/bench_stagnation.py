@@ -23,8 +23,6 @@ import functools
 import json
 import pathlib
 import sys
-import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -114,16 +112,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--params", choices=["float32", "bfloat16"], default="float32", help="dtype"
     )
-    parser.add_argument(
-        "--clock",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="cpu: the process's CPU time (pin it to one core with taskset)",
-    )
+    bench_step.add_clock_option(parser)
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args(argv)
-    if args.clock == "cpu":
-        bench_step.time = types.SimpleNamespace(perf_counter=time.process_time)
+    bench_step.use_clock(args.clock)
     print(f"jax {jax.__version__}, {jax.default_backend()}; clock: {args.clock}")
     print()
     models = ["lm", "mlp", "char"] if args.model == "all" else [args.model]

@@ -347,6 +347,29 @@ def _pairwise(step):
     return lambda carry, batch: step(*carry, batch)
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+"""What `interleaved` times each sample by: `use_clock` sets it."""
+
+
+def add_clock_option(parser) -> None:
+    """``--clock {wall,cpu}`` on ``parser``; pass its value to `use_clock`."""
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="cpu: time each sample by the process's CPU time (on a shared "
+        "machine, pinned to one core with taskset, it counts only this "
+        "process's own work)",
+    )
+
+
+def use_clock(name: str) -> None:
+    """Time `interleaved`'s samples by ``name``'s clock (`CLOCKS`)."""
+    global clock
+    clock = CLOCKS[name]
+
+
 def interleaved(variants, batch, rounds, steps_per_sample=1, seed=0) -> dict:
     """Per-sample seconds per step of each variant, in interleaved rounds.
 
@@ -365,11 +388,11 @@ def interleaved(variants, batch, rounds, steps_per_sample=1, seed=0) -> dict:
         rng.shuffle(order)
         for key in order:
             step, carry = variants[key][0], state[key]
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(steps_per_sample):
                 carry = step(carry, batch)
             jax.block_until_ready(carry)
-            times[key].append((time.perf_counter() - t0) / steps_per_sample)
+            times[key].append((clock() - t0) / steps_per_sample)
             state[key] = carry
     return times
 
