@@ -28,6 +28,11 @@ hypothesis.settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, print_blob=True
 )
 hypothesis.settings.register_profile("dev", max_examples=200, deadline=None)
+# CI's floors job (.ci/run) checks that the code runs on the lowest declared
+# versions; the input space is searched by the main job's 60 examples.
+hypothesis.settings.register_profile(
+    "floors", max_examples=10, deadline=None, derandomize=True, print_blob=True
+)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -7,6 +7,7 @@ Also the disabled and fixed modes and bad arguments in the peers' terms.
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -413,8 +414,14 @@ def test_bad_arguments_are_named_in_the_peers_terms(call, error, match):
 # State interchange ---------------------------------------------------------
 
 
+@functools.cache
+def _jitted_adjust(scaler):
+    """One compiled ``adjust`` per scaler (the examples share a few configs)."""
+    return jax.jit(scaler.adjust)
+
+
 def _run(scaler, state, finite):
-    adjust = jax.jit(scaler.adjust)
+    adjust = _jitted_adjust(scaler)
     for f in finite:
         state = adjust(state, jnp.asarray(f))
     return state
@@ -422,7 +429,7 @@ def _run(scaler, state, finite):
 
 def _assert_resumes(scaler, state, ref, finite):
     """The resumed jls run follows the peer's until the peer breaks."""
-    adjust = jax.jit(scaler.adjust)
+    adjust = _jitted_adjust(scaler)
     for f in finite:
         state = adjust(state, jnp.asarray(f))
         ref.step(f)
@@ -470,8 +477,9 @@ def test_paddle_state_dict_round_trip_resumes_exactly(finite, more):
     assert scaler2 == scaler.__class__(
         **{**scaler.__dict__, "init_scale": scaler2.init_scale}
     )
+    adjust = _jitted_adjust(scaler2)
     for f in more:
-        state2 = scaler2.adjust(state2, f)
+        state2 = adjust(state2, jnp.asarray(f))
         ref.step(f)
         if _sane(ref.scale):
             assert np.float32(state2.scale) == np.float32(ref.scale)
