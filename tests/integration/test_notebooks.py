@@ -1,4 +1,4 @@
-"""Every notebook in notebooks/ is committed without outputs and runs cleanly.
+"""Every notebook in notebooks/ is committed without outputs and the site runs it.
 
 The notebooks run in the site's build (.ci/docs, in CI), which fails on any
 error, so their ``assert`` cells hold; running them here too doubled their
