@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jls import _cond, _substitute
+from jls import _cond, _substitute, _view
 from jls._composition import check_not_masked
 from jls._config import Config
 from jls._decision import (
@@ -51,7 +51,7 @@ from jls._decision import (
     same_on_replicas,
     vetoes,
 )
-from jls._hooks import LossScalingState, StepInfo, read_updates
+from jls._hooks import Hook, LossScalingState, StepInfo, read_updates
 from jls._off import off_step, warn_float16
 from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
 from jls._state import LossScaleState, check_state
@@ -210,9 +210,23 @@ def finish(
         grads, inner_state, params = operands
         if factors or shrink is not None:  # no factors: the scale is 1 forever
             grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
-        updates, inner_state = config.inner.update(grads, inner_state, params, **args)
+        view_of = None
+        if any(type(h).update_view is not Hook.update_view for h in readers):
+            # A hook reads a view of each update: evaluated so that the view is
+            # computed from views of the optimizer's values (`jls._view`).
+            (updates, inner_state), evaluation = _view.evaluate(
+                lambda g, s, p: config.inner.update(g, s, p, **args),
+                grads,
+                inner_state,
+                params,
+            )
+            view_of = evaluation.view
+        else:
+            updates, inner_state = config.inner.update(
+                grads, inner_state, params, **args
+            )
         new = optax.apply_updates(params, updates) if fused or readers else None
-        reads = read_updates(readers, state.hooks, params, new, updates)
+        reads = read_updates(readers, state.hooks, params, new, updates, view_of)
         return ((new if fused else updates), reads), inner_state
 
     def skipped(operands, shapes):

@@ -250,6 +250,23 @@ class Hook:
         del state
         return None
 
+    def update_view(
+        self, state: Any, shape: tuple[int, ...]
+    ) -> Callable[[jax.Array], jax.Array] | None:
+        """The part of each update leaf (of ``shape``) `read_updates` reads.
+
+        ``None`` (the default): the whole leaf. Else a function of an array
+        of ``shape`` that only selects and rearranges its entries (a
+        reshape, a slice: it must commute with elementwise arithmetic).
+        `read_updates` then gets that view of the leaf's new parameter and
+        of its update, and the step computes the update's view from views
+        of the inner optimizer's values where the update is elementwise in
+        them (`jls._view`): the full update keeps its one consumer, the
+        parameter it moves, and is not held in memory for the read.
+        """
+        del state, shape
+        return None
+
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """What the hook reads of the updates (a pytree of arrays).
 
@@ -260,6 +277,8 @@ class Hook:
         leaves the step does not update). The parameters before the step
         are not offered: reading them beside their in-place update makes
         XLA copy them. `update` gets the result as ``info.reads[name]``.
+        Where `update_view` gives a view, both trees hold that view of the
+        leaf instead.
         """
         del state, new_params, updates
         return ()
@@ -294,7 +313,12 @@ def hook_metrics(hooks: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_updates(
-    readers: list[Hook], states: dict[str, Any], params: Any, new: Any, updates: Any
+    readers: list[Hook],
+    states: dict[str, Any],
+    params: Any,
+    new: Any,
+    updates: Any,
+    view_of: Callable[[Any, Callable[[Any], Any]], Any] | None = None,
 ) -> dict[str, Any]:
     """Each reading hook's `Hook.read_updates`, by name, on the steps it asks.
 
@@ -302,7 +326,8 @@ def read_updates(
     inline; one that samples reads inside a ``lax.cond`` of its own, whose
     other branch gives zeros, so the steps between compute nothing (the
     conditional's outputs are the reads alone: no buffer of the state passes
-    through it).
+    through it). Where a hook gives a view (`Hook.update_view`),
+    ``view_of(update, view)`` computes the update's (default: ``view(update)``).
     """
     if readers and params is None:
         raise TypeError(
@@ -315,7 +340,8 @@ def read_updates(
         when = hook.reads_updates(state)
 
         def now(hook=hook, state=state):
-            return hook.read_updates(state, new, updates)
+            viewed_new, viewed = viewed_leaves(hook, state, new, updates, view_of)
+            return hook.read_updates(state, viewed_new, viewed)
 
         if when is True:
             reads[hook.name] = now()
@@ -326,3 +352,31 @@ def read_updates(
             )
             reads[hook.name] = jax.lax.cond(jnp.asarray(when), now, zeros)
     return reads
+
+
+def viewed_leaves(
+    hook: Hook,
+    state: Any,
+    new: Any,
+    updates: Any,
+    view_of: Callable[[Any, Callable[[Any], Any]], Any] | None,
+) -> tuple[Any, Any]:
+    """``(new, updates)``, each leaf replaced by its view where the hook gives one."""
+    if type(hook).update_view is Hook.update_view:
+        return new, updates
+    leaves, treedef = jax.tree.flatten(new, is_leaf=lambda x: x is None)
+    ups = treedef.flatten_up_to(updates)
+    out_new, out_up = [], []
+    for p, u in zip(leaves, ups, strict=True):
+        shape = getattr(p, "shape", None)
+        view = None
+        if shape is not None and u is not None:
+            view = hook.update_view(state, tuple(shape))
+        if view is not None:
+            p, u = (
+                view(cast(Any, p)),
+                (view_of(u, view) if view_of else view(cast(Any, u))),
+            )
+        out_new.append(p)
+        out_up.append(u)
+    return treedef.unflatten(out_new), treedef.unflatten(out_up)

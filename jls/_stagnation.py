@@ -33,8 +33,18 @@ between. A step reads 1/``every`` of the entries inline, beside the
 update, with no conditional: no mode to declare and nothing kept in memory
 for a conditional, whether the caller's jit donates or not; a leaf sharded
 along any axis over up to 16 devices is read where it lies (a small leaf
-is read whole, under a mask: `read_phases`). ``every=1`` reads every entry on
-every step. A skipped step reads nothing and does not advance the cycle.
+is read whole, under a mask: `read_phases`). The slice read of each update
+is computed from slices of the values that made it (Adam's new moments, the
+gradient), where the update is elementwise in them (`jls._view`): the
+update itself is read only by the parameter it moves, so XLA holds no
+update in memory for the read (reading the update itself held every one,
+a float32 copy of the parameters: 1.35x the step of a 27M-parameter LM on
+XLA:CPU). The slice is computed as the step computes the update; a
+compiler that contracts the two computations differently (into a fused
+multiply-add on a GPU) can move an update by its last place, which changes
+an entry's count only where the update is that close to half the
+parameter's spacing. ``every=1`` reads every entry on every step, from the
+update itself. A skipped step reads nothing and does not advance the cycle.
 `warn_if_stagnant` turns the fraction into a warning on the host, where
 you log metrics.
 """
@@ -111,14 +121,14 @@ def _block(n: int, every: int) -> int | None:
 def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
     """The step of the cycle (0 to ``every - 1``) at which each entry is read.
 
-    Along the last axis `_block` cuts (its extent a multiple of ``every *
+    Along the first axis `_block` cuts (its extent a multiple of ``every *
     ROWS``), blocks of `_block` entries take the phases in turn; with no
     such axis (a small leaf), the entries of the last axis do, one by one,
     and the leaf is read whole, under a mask. (numpy; what `_read` computes
     with a slice.)
     """
     shape = shape or (1,)
-    for axis in range(len(shape) - 1, -1, -1):
+    for axis in range(len(shape)):
         block = _block(shape[axis], every)
         if block is not None:
             index = np.arange(shape[axis]) // block % every
@@ -139,7 +149,7 @@ def _read(x: jax.Array, phase: jax.Array, every: int) -> tuple[jax.Array, Any]:
     cuts, all of ``x`` and a mask.
     """
     x = jnp.reshape(x, x.shape or (1,))
-    for axis in range(x.ndim - 1, -1, -1):
+    for axis in range(x.ndim):
         n, block = x.shape[axis], _block(x.shape[axis], every)
         if block is not None:
             split = x.shape[:axis] + (n // (every * block), every, block)
@@ -150,22 +160,12 @@ def _read(x: jax.Array, phase: jax.Array, every: int) -> tuple[jax.Array, Any]:
     return x, index % every == phase
 
 
-def _counts(
-    new: Any, u: Any, phase: jax.Array, every: int
-) -> tuple[jax.Array, jax.Array]:
-    """``(stuck, moving)`` entries of one leaf, as float32 scalars.
-
-    ``new`` is the parameter after the update ``u``: an entry is stuck when
-    ``new + u`` rounds back to ``new`` (the parameter before is not read: see
-    the module notes). With ``every > 1``, of the entries read at ``phase``
-    (`read_phases`).
-    """
-    new, u = jnp.asarray(new), jnp.asarray(u)
-    if every == 1:
-        return _entry_counts(new, u, True)
-    new, mask = _read(new, phase, every)
-    u, _ = _read(u, phase, every)
-    return _entry_counts(new, u, mask)
+def _cut_axis(shape: tuple[int, ...], every: int) -> int | None:
+    """The axis `_read` slices in a leaf of ``shape``, or ``None`` (a mask)."""
+    for axis, n in enumerate(shape or (1,)):
+        if _block(n, every) is not None:
+            return axis
+    return None
 
 
 def _entry_counts(new: Any, u: Any, valid: Any) -> tuple[jax.Array, jax.Array]:
@@ -202,10 +202,7 @@ class Stagnation(Hook):
     Pass it as ``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation()])``;
     read it with ``jls.metrics(opt_state)["stagnant_fraction"]``, or warn
     with `jls.hooks.warn_if_stagnant`. ``tx.update`` must be given the
-    parameters. Its cost: XLA:CPU holds each leaf's update in a buffer of
-    its own once the hook reads it, whatever ``every`` is (1.35x the fused
-    step of a 27M-parameter LM without donation, 1.08x with; about 1.02-1.06x
-    on smaller models; docs/howto/low_precision_params.md).
+    parameters. Its cost at the default cycle: COSTLINE
 
     Attributes:
       every: the cycle, in applied steps (an int >= 1; default 16): each
@@ -245,22 +242,45 @@ class Stagnation(Hook):
         del state
         return True
 
+    def update_view(self, state: Any, shape: tuple[int, ...]) -> Any:
+        """The entries this step reads (`read_phases`), as `jls._view` computes them.
+
+        With ``every > 1``: of a leaf an axis of which `_block` cuts, this
+        phase's blocks, that axis first (of at least `ROWS` rows); of any
+        other leaf, all of it, behind a new first axis of 1, which
+        `read_updates` masks.
+        """
+        if self.every == 1:
+            return None
+        phase = state.phase % self.every  # a state from another cycle length
+        axis = _cut_axis(shape, self.every)
+        if axis is None:
+            return lambda x: jnp.reshape(x, (1, *(x.shape or (1,))))
+        return lambda x: jnp.moveaxis(_read(x, phase, self.every)[0], axis, 0)
+
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """Per leaf, ``[stuck, moving]``: this device's counts of the entries read.
 
         A list of float32 vectors, one per floating leaf (kept apart: a
         sharded leaf's counts add over its shards, a replicated leaf's do
-        not, `update`).
+        not, `update`). With ``every > 1`` each leaf is its `update_view`:
+        of `ROWS` rows or more, only entries read at this phase; of one row,
+        a whole leaf, whose entries are read where their phase along its
+        last axis is this one.
         """
         leaves, treedef = jax.tree.flatten(new_params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
-        phase = state.phase % self.every  # a state from another cycle length
+        phase = state.phase % self.every
         rows = []
         for p, u in zip(leaves, ups, strict=True):
             dtype = getattr(p, "dtype", None)
             if u is None or dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
                 continue
-            rows.append(jnp.stack(_counts(p, u, phase, self.every)))
+            valid: Any = True
+            if self.every > 1 and jnp.shape(p)[0] == 1:
+                last = lax.broadcasted_iota(jnp.int32, jnp.shape(p), jnp.ndim(p) - 1)
+                valid = last % self.every == phase
+            rows.append(jnp.stack(_entry_counts(jnp.asarray(p), jnp.asarray(u), valid)))
         return rows
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> StagnationState:

@@ -1,0 +1,167 @@
+"""A part of each update, computed from the same part of its inputs.
+
+A hook that reads one ``every``-th of each update (`jls.hooks.Stagnation`)
+gives the step a *view* per leaf: a function that only selects and
+rearranges entries (a reshape and a slice), so it commutes with
+elementwise arithmetic: ``view(f(a, b)) == f(view(a), view(b))``. Reading
+``view(u)`` beside the update ``u`` that the step applies gives ``u`` two
+consumers, and XLA (which does not recompute a producer holding a
+division or a square root) then holds every update in a buffer of its own:
+on XLA:CPU a 27M-parameter LM's step took 1.35x as long.
+
+`evaluate` runs the inner optimizer's update from its jaxpr, primitive by
+primitive, as `jax.core.eval_jaxpr` does (the same operations, once), and
+keeps each value; `Evaluation.view` then follows an update leaf back
+through the elementwise operations that made it and applies them to views
+of their operands: the view of Adam's update is computed from the views of
+the gradient and the moments, and the full update keeps one consumer. Where
+the chain meets anything else (an input, a reduction, a matrix product, a
+nested call, a value of another shape), it views that value as it is, which
+is exact, and costs holding that value where XLA had not. Scalars (learning
+rates, bias corrections, literals) enter as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex
+
+from jls._compat import bind
+
+# Primitives that map entries to entries (each output entry depends only on
+# the same entry of each operand, scalars broadcast): a view commutes with them.
+ELEMENTWISE = frozenset(
+    getattr(lax, f"{name}_p")
+    for name in (
+        "abs add and atan2 cbrt ceil clamp convert_element_type cos cosh div "
+        "eq erf erf_inv erfc exp exp2 expm1 floor ge gt integer_pow is_finite "
+        "le log log1p logistic lt max min mul ne neg nextafter not or pow "
+        "reduce_precision rem round rsqrt select_n sign sin sinh sqrt square "
+        "sub tan tanh xor"
+    ).split()
+    if hasattr(lax, f"{name}_p")
+)
+
+
+def _array(x: Any) -> bool:
+    """An array the jaxpr takes as an input (numpy's too, not baked in)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(
+        x, "__jax_array__"
+    )
+
+
+class Evaluation:
+    """The values of one evaluation of a jaxpr, kept to compute views from."""
+
+    def __init__(self, closed: Any, args: list[Any]):
+        jaxpr = closed.jaxpr
+        self.values: dict[Any, Any] = {}
+        self.values.update(zip(jaxpr.constvars, closed.consts, strict=True))
+        self.values.update(zip(jaxpr.invars, args, strict=True))
+        self.producer: dict[Any, Any] = {}
+        for eqn in jaxpr.eqns:
+            outs = bind(eqn, [self.read(v) for v in eqn.invars])
+            for var, out in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(var, jex.DropVar):
+                    self.values[var] = out
+                    self.producer[var] = eqn
+        self.outvars = list(jaxpr.outvars)
+        self.outs = [self.read(v) for v in jaxpr.outvars]
+        self.index = {id(x): k for k, x in enumerate(self.outs)}
+
+    def read(self, var: Any) -> Any:
+        """The value of ``var`` (a literal's value)."""
+        if isinstance(var, jex.Literal):
+            return var.val
+        return self.values[var]
+
+    def view(self, out: Any, fn: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """``fn(out)`` for an output ``out``, computed from views where it can.
+
+        Follows ``out`` back through the elementwise equations that made
+        it, down to the evaluation's inputs and its other outputs (values
+        held in memory anyway: a state the step returns); ``fn`` of any
+        other array, or of an ``out`` this evaluation did not make.
+        """
+        index = self.index.get(id(out))
+        var = None if index is None else self.outvars[index]
+        if var is None or isinstance(var, jex.Literal):
+            return fn(out)
+        shape = tuple(var.aval.shape)
+        viewed = jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, var.aval.dtype))
+        ends = {v for v in self.outvars if v is not var}
+        memo: dict[Any, Any] = {}
+
+        def visit(var: Any) -> Any:
+            if isinstance(var, jex.Literal):  # a leaf of shape ()
+                return fn(jnp.asarray(var.val, getattr(var.aval, "dtype", None)))
+            if var in memo:
+                return memo[var]
+            eqn = None if var in ends else self.producer.get(var)
+            if eqn is not None and _pushes(eqn, shape):
+                operands = [
+                    visit(v) if tuple(v.aval.shape) == shape else self.read(v)
+                    for v in eqn.invars
+                ]
+                result = bind(eqn, operands)[0]
+            elif eqn is not None and _broadcasts_scalar(eqn):
+                value = self.read(eqn.invars[0])
+                result = lax.broadcast_in_dim(value, viewed.shape, ())
+            else:
+                result = fn(self.read(var))
+            memo[var] = result
+            return result
+
+        return visit(var)
+
+
+def _pushes(eqn: Any, shape: tuple) -> bool:
+    """Whether a view of ``eqn``'s output is ``eqn`` of its operands' views."""
+    if eqn.primitive not in ELEMENTWISE or eqn.params.get("sharding") is not None:
+        return False
+    return all(tuple(v.aval.shape) in (shape, ()) for v in eqn.invars) and any(
+        tuple(v.aval.shape) == shape for v in eqn.invars
+    )
+
+
+def _broadcasts_scalar(eqn: Any) -> bool:
+    return (
+        eqn.primitive is lax.broadcast_in_dim_p
+        and eqn.invars[0].aval.shape == ()
+        and eqn.params.get("sharding") is None
+    )
+
+
+def evaluate(fn: Callable[..., Any], *args: Any) -> tuple[Any, Evaluation]:
+    """``fn(*args)``, evaluated so that views of its outputs can be computed.
+
+    Returns ``fn``'s result and the `Evaluation` (its `Evaluation.view`).
+    The array leaves of ``args`` are the jaxpr's inputs; any other leaf (a
+    Python number, a function) is passed as it is, and so is any leaf of
+    the result that is not an array.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    arrays = [i for i, x in enumerate(leaves) if _array(x)]
+    made: dict[str, Any] = {}
+
+    def flat(*xs: Any) -> list[Any]:
+        full = list(leaves)
+        for i, x in zip(arrays, xs, strict=True):
+            full[i] = x
+        outs, made["tree"] = jax.tree.flatten(fn(*jax.tree.unflatten(treedef, full)))
+        made["outs"] = outs
+        made["arrays"] = [j for j, o in enumerate(outs) if _array(o)]
+        return [outs[j] for j in made["arrays"]]
+
+    closed = jax.make_jaxpr(flat)(*[leaves[i] for i in arrays])
+    evaluation = Evaluation(closed, [leaves[i] for i in arrays])
+    outs = list(made["outs"])
+    for j, value in zip(made["arrays"], evaluation.outs, strict=True):
+        outs[j] = value
+    return jax.tree.unflatten(made["tree"], outs), evaluation
