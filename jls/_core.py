@@ -51,7 +51,7 @@ from jls._decision import (
     same_on_replicas,
     vetoes,
 )
-from jls._hooks import Hook, LossScalingState, StepInfo, read_updates
+from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._off import off_step, warn_float16
 from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
 from jls._state import LossScaleState, check_state
@@ -226,7 +226,7 @@ def finish(
                 grads, inner_state, params, **args
             )
         new = optax.apply_updates(params, updates) if fused or readers else None
-        reads = read_updates(readers, state.hooks, params, new, updates, view_of)
+        reads = _view.read_updates(readers, state.hooks, params, new, updates, view_of)
         return ((new if fused else updates), reads), inner_state
 
     def skipped(operands, shapes):

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
-import jax.numpy as jnp
 
 from jls._state import LossScaleState
 
@@ -310,73 +309,3 @@ def hook_metrics(hooks: dict[str, Any]) -> dict[str, Any]:
                 )
             out[key] = value
     return out
-
-
-def read_updates(
-    readers: list[Hook],
-    states: dict[str, Any],
-    params: Any,
-    new: Any,
-    updates: Any,
-    view_of: Callable[[Any, Callable[[Any], Any]], Any] | None = None,
-) -> dict[str, Any]:
-    """Each reading hook's `Hook.read_updates`, by name, on the steps it asks.
-
-    A hook that reads every step (``reads_updates`` is ``True``) reads
-    inline; one that samples reads inside a ``lax.cond`` of its own, whose
-    other branch gives zeros, so the steps between compute nothing (the
-    conditional's outputs are the reads alone: no buffer of the state passes
-    through it). Where a hook gives a view (`Hook.update_view`),
-    ``view_of(update, view)`` computes the update's (default: ``view(update)``).
-    """
-    if readers and params is None:
-        raise TypeError(
-            f"the hooks {[h.name for h in readers]} read the updates and need the "
-            "parameters: call tx.update(grads, opt_state, params)"
-        )
-    reads = {}
-    for hook in readers:
-        state = states[hook.name]
-        when = hook.reads_updates(state)
-
-        def now(hook=hook, state=state):
-            viewed_new, viewed = viewed_leaves(hook, state, new, updates, view_of)
-            return hook.read_updates(state, viewed_new, viewed)
-
-        if when is True:
-            reads[hook.name] = now()
-        else:
-            types = jax.eval_shape(now)
-            zeros = lambda t=types: jax.tree.map(  # noqa: E731
-                lambda s: jnp.zeros(s.shape, s.dtype), t
-            )
-            reads[hook.name] = jax.lax.cond(jnp.asarray(when), now, zeros)
-    return reads
-
-
-def viewed_leaves(
-    hook: Hook,
-    state: Any,
-    new: Any,
-    updates: Any,
-    view_of: Callable[[Any, Callable[[Any], Any]], Any] | None,
-) -> tuple[Any, Any]:
-    """``(new, updates)``, each leaf replaced by its view where the hook gives one."""
-    if type(hook).update_view is Hook.update_view:
-        return new, updates
-    leaves, treedef = jax.tree.flatten(new, is_leaf=lambda x: x is None)
-    ups = treedef.flatten_up_to(updates)
-    out_new, out_up = [], []
-    for p, u in zip(leaves, ups, strict=True):
-        shape = getattr(p, "shape", None)
-        view = None
-        if shape is not None and u is not None:
-            view = hook.update_view(state, tuple(shape))
-        if view is not None:
-            p, u = (
-                view(cast(Any, p)),
-                (view_of(u, view) if view_of else view(cast(Any, u))),
-            )
-        out_new.append(p)
-        out_up.append(u)
-    return treedef.unflatten(out_new), treedef.unflatten(out_up)

@@ -33,20 +33,15 @@ between. A step reads 1/``every`` of the entries inline, beside the
 update, with no conditional: no mode to declare and nothing kept in memory
 for a conditional, whether the caller's jit donates or not; a leaf sharded
 along any axis over up to 16 devices is read where it lies (a small leaf
-is read whole, under a mask: `read_phases`). The slice read of each update
-is computed from slices of the values that made it (Adam's new moments, the
-gradient), where the update is elementwise in them (`jls._view`): the
-update itself is read only by the parameter it moves, so XLA holds no
-update in memory for the read (reading the update itself held every one,
-a float32 copy of the parameters: 1.35x the step of a 27M-parameter LM on
-XLA:CPU). The slice is computed as the step computes the update; a
-compiler that contracts the two computations differently (into a fused
-multiply-add on a GPU) can move an update by its last place, which changes
-an entry's count only where the update is that close to half the
-parameter's spacing. ``every=1`` reads every entry on every step, from the
-update itself. A skipped step reads nothing and does not advance the cycle.
-`warn_if_stagnant` turns the fraction into a warning on the host, where
-you log metrics.
+is read whole, under a mask). Each update's slice is computed from slices
+of the values that made it (`jls._view`), so XLA holds no update for the
+read (reading the update itself held every one: 1.35x the step of a 27M
+LM on XLA:CPU); a compiler contracting the two computations differently
+(a GPU's fused multiply-add) can move it by its last place, which changes
+a count only that close to half the parameter's spacing. ``every=1``
+reads every entry on every step, from the update itself. A skipped step
+reads nothing and does not advance the cycle. `warn_if_stagnant` turns the
+fraction into a warning on the host, where you log metrics.
 """
 
 from __future__ import annotations
@@ -128,44 +123,37 @@ def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
     with a slice.)
     """
     shape = shape or (1,)
-    for axis in range(len(shape)):
-        block = _block(shape[axis], every)
-        if block is not None:
-            index = np.arange(shape[axis]) // block % every
-            break
-    else:
+    axis = _cut_axis(shape, every)
+    if axis is None:
         axis, index = len(shape) - 1, np.arange(shape[-1]) % every
+    else:
+        index = np.arange(shape[axis]) // (_block(shape[axis], every) or 1) % every
     view = [1] * len(shape)
     view[axis] = -1
     return np.broadcast_to(index.reshape(view), shape)
 
 
-def _read(x: jax.Array, phase: jax.Array, every: int) -> tuple[jax.Array, Any]:
-    """The entries of ``x`` read at ``phase`` (`read_phases`): ``(entries, mask)``.
-
-    A dynamic slice of every ``every``-th block along one axis (no other
-    axis is touched, and the cut one holds whole rows per shard: a leaf
-    sharded along any axis is read where it lies); with no axis `_block`
-    cuts, all of ``x`` and a mask.
-    """
-    x = jnp.reshape(x, x.shape or (1,))
-    for axis in range(x.ndim):
-        n, block = x.shape[axis], _block(x.shape[axis], every)
-        if block is not None:
-            split = x.shape[:axis] + (n // (every * block), every, block)
-            y = jnp.reshape(x, split + x.shape[axis + 1 :])
-            read = lax.dynamic_index_in_dim(y, phase, axis=axis + 1, keepdims=False)
-            return read, True
-    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return x, index % every == phase
-
-
 def _cut_axis(shape: tuple[int, ...], every: int) -> int | None:
-    """The axis `_read` slices in a leaf of ``shape``, or ``None`` (a mask)."""
+    """The first axis `_block` cuts in a leaf of ``shape``, or ``None``."""
     for axis, n in enumerate(shape or (1,)):
         if _block(n, every) is not None:
             return axis
     return None
+
+
+def _read(x: jax.Array, phase: jax.Array, every: int, axis: int) -> jax.Array:
+    """The entries of ``x`` read at ``phase`` (`read_phases`), ``axis`` first.
+
+    A dynamic slice of every ``every``-th block along the cut ``axis`` (no
+    other axis is touched, and the cut one holds whole rows per shard: a
+    leaf sharded along any axis is read where it lies).
+    """
+    n, block = x.shape[axis], _block(x.shape[axis], every)
+    assert block is not None
+    split = x.shape[:axis] + (n // (every * block), every, block)
+    y = jnp.reshape(x, split + x.shape[axis + 1 :])
+    read = lax.dynamic_index_in_dim(y, phase, axis=axis + 1, keepdims=False)
+    return jnp.moveaxis(read, axis, 0)
 
 
 def _entry_counts(new: Any, u: Any, valid: Any) -> tuple[jax.Array, jax.Array]:
@@ -202,7 +190,9 @@ class Stagnation(Hook):
     Pass it as ``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation()])``;
     read it with ``jls.metrics(opt_state)["stagnant_fraction"]``, or warn
     with `jls.hooks.warn_if_stagnant`. ``tx.update`` must be given the
-    parameters. Its cost at the default cycle: COSTLINE
+    parameters. The default holds no memory the step without it does not
+    (0.97-1.06x the fused step on XLA:CPU; docs/howto/low_precision_params.md);
+    ``every=1`` reads each update whole: 1.32x on a 27M LM, undonated.
 
     Attributes:
       every: the cycle, in applied steps (an int >= 1; default 16): each
@@ -243,30 +233,21 @@ class Stagnation(Hook):
         return True
 
     def update_view(self, state: Any, shape: tuple[int, ...]) -> Any:
-        """The entries this step reads (`read_phases`), as `jls._view` computes them.
-
-        With ``every > 1``: of a leaf an axis of which `_block` cuts, this
-        phase's blocks, that axis first (of at least `ROWS` rows); of any
-        other leaf, all of it, behind a new first axis of 1, which
-        `read_updates` masks.
-        """
+        """This phase's blocks, cut axis first; an uncut leaf behind an axis of 1."""
         if self.every == 1:
             return None
         phase = state.phase % self.every  # a state from another cycle length
         axis = _cut_axis(shape, self.every)
         if axis is None:
             return lambda x: jnp.reshape(x, (1, *(x.shape or (1,))))
-        return lambda x: jnp.moveaxis(_read(x, phase, self.every)[0], axis, 0)
+        return lambda x: _read(x, phase, self.every, axis)
 
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """Per leaf, ``[stuck, moving]``: this device's counts of the entries read.
 
         A list of float32 vectors, one per floating leaf (kept apart: a
         sharded leaf's counts add over its shards, a replicated leaf's do
-        not, `update`). With ``every > 1`` each leaf is its `update_view`:
-        of `ROWS` rows or more, only entries read at this phase; of one row,
-        a whole leaf, whose entries are read where their phase along its
-        last axis is this one.
+        not, `update`); with ``every > 1``, of each leaf's `update_view`.
         """
         leaves, treedef = jax.tree.flatten(new_params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)

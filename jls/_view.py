@@ -15,16 +15,18 @@ keeps each value; `Evaluation.view` then follows an update leaf back
 through the elementwise operations that made it and applies them to views
 of their operands: the view of Adam's update is computed from the views of
 the gradient and the moments, and the full update keeps one consumer. Where
-the chain meets anything else (an input, a reduction, a matrix product, a
-nested call, a value of another shape), it views that value as it is, which
-is exact, and costs holding that value where XLA had not. Scalars (learning
-rates, bias corrections, literals) enter as they are.
+the chain meets anything else (an input, another output such as a new
+moment, which the step holds anyway, a reduction, a matrix product, a
+nested call, a value of another shape), it views that value as it is,
+which is exact, and costs holding that value where XLA had not. Scalars
+(learning rates, bias corrections, literals) enter as they are.
+`read_updates` gives each reading hook its views (`Hook.update_view`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,7 @@ from jax import lax
 from jax.extend import core as jex
 
 from jls._compat import bind
+from jls._hooks import Hook
 
 # Primitives that map entries to entries (each output entry depends only on
 # the same entry of each operand, scalars broadcast): a view commutes with them.
@@ -95,7 +98,9 @@ class Evaluation:
             return fn(out)
         shape = tuple(var.aval.shape)
         viewed = jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, var.aval.dtype))
-        ends = {v for v in self.outvars if v is not var}
+        ends = {
+            v for v in self.outvars if not isinstance(v, jex.Literal) and v is not var
+        }
         memo: dict[Any, Any] = {}
 
         def visit(var: Any) -> Any:
@@ -165,3 +170,73 @@ def evaluate(fn: Callable[..., Any], *args: Any) -> tuple[Any, Evaluation]:
     for j, value in zip(made["arrays"], evaluation.outs, strict=True):
         outs[j] = value
     return jax.tree.unflatten(made["tree"], outs), evaluation
+
+
+def read_updates(
+    readers: list[Hook],
+    states: dict[str, Any],
+    params: Any,
+    new: Any,
+    updates: Any,
+    view_of: Callable[[Any, Callable[[Any], Any]], Any] | None = None,
+) -> dict[str, Any]:
+    """Each reading hook's `Hook.read_updates`, by name, on the steps it asks.
+
+    A hook that reads every step (``reads_updates`` is ``True``) reads
+    inline; one that samples reads inside a ``lax.cond`` of its own, whose
+    other branch gives zeros, so the steps between compute nothing (the
+    conditional's outputs are the reads alone: no buffer of the state passes
+    through it). Where a hook gives a view (`Hook.update_view`),
+    ``view_of(update, view)`` computes the update's (default: ``view(update)``).
+    """
+    if readers and params is None:
+        raise TypeError(
+            f"the hooks {[h.name for h in readers]} read the updates and need the "
+            "parameters: call tx.update(grads, opt_state, params)"
+        )
+    reads = {}
+    for hook in readers:
+        state = states[hook.name]
+        when = hook.reads_updates(state)
+
+        def now(hook=hook, state=state):
+            viewed_new, viewed = viewed_leaves(hook, state, new, updates, view_of)
+            return hook.read_updates(state, viewed_new, viewed)
+
+        if when is True:
+            reads[hook.name] = now()
+        else:
+            types = jax.eval_shape(now)
+            zeros = lambda t=types: jax.tree.map(  # noqa: E731
+                lambda s: jnp.zeros(s.shape, s.dtype), t
+            )
+            reads[hook.name] = jax.lax.cond(jnp.asarray(when), now, zeros)
+    return reads
+
+
+def viewed_leaves(
+    hook: Hook,
+    state: Any,
+    new: Any,
+    updates: Any,
+    view_of: Callable[[Any, Callable[[Any], Any]], Any] | None,
+) -> tuple[Any, Any]:
+    """``(new, updates)``, each leaf replaced by its view where the hook gives one."""
+    if type(hook).update_view is Hook.update_view:
+        return new, updates
+    leaves, treedef = jax.tree.flatten(new, is_leaf=lambda x: x is None)
+    ups = treedef.flatten_up_to(updates)
+    out_new, out_up = [], []
+    for p, u in zip(leaves, ups, strict=True):
+        shape = getattr(p, "shape", None)
+        view = None
+        if shape is not None and u is not None:
+            view = hook.update_view(state, tuple(shape))
+        if view is not None:
+            p, u = (
+                view(cast(Any, p)),
+                (view_of(u, view) if view_of else view(cast(Any, u))),
+            )
+        out_new.append(p)
+        out_up.append(u)
+    return treedef.unflatten(out_new), treedef.unflatten(out_up)

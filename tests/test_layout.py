@@ -38,7 +38,7 @@ LAYERS = [
         "jls._stagnation",
     ],
     ["jls._builtins", "jls._inner", "jls._cond", "jls._off", "jls._average"],
-    ["jls._config", "jls._substitute"],
+    ["jls._config", "jls._substitute", "jls._view"],
     ["jls._decision", "jls._compensated", "jls._keep", "jls._scaled_state"],
     ["jls._core"],
     ["jls._transformation"],
