@@ -25,6 +25,7 @@ which is exact, and costs holding that value where XLA had not. Scalars
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -74,6 +75,7 @@ class Evaluation:
                 if not isinstance(var, jex.DropVar):
                     self.values[var] = out
                     self.producer[var] = eqn
+        self.invars = list(jaxpr.invars) + list(jaxpr.constvars)
         self.outvars = list(jaxpr.outvars)
         self.outs = [self.read(v) for v in jaxpr.outvars]
         self.index = {id(x): k for k, x in enumerate(self.outs)}
@@ -90,7 +92,8 @@ class Evaluation:
         Follows ``out`` back through the elementwise equations that made
         it, down to the evaluation's inputs and its other outputs (values
         held in memory anyway: a state the step returns); ``fn`` of any
-        other array, or of an ``out`` this evaluation did not make.
+        other array, of an ``out`` this evaluation did not make, and of
+        ``out`` itself where ``fn`` keeps every entry.
         """
         index = self.index.get(id(out))
         var = None if index is None else self.outvars[index]
@@ -98,32 +101,71 @@ class Evaluation:
             return fn(out)
         shape = tuple(var.aval.shape)
         viewed = jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, var.aval.dtype))
+        if viewed.size == math.prod(shape):
+            # Every entry: nothing to save, and the recomputation would give
+            # the update's own equations more consumers (XLA then fuses them
+            # otherwise, and rounded Adafactor's steps in their last place).
+            return fn(out)
         ends = {
             v for v in self.outvars if not isinstance(v, jex.Literal) and v is not var
         }
+        held = ends | set(self.invars)
         memo: dict[Any, Any] = {}
 
+        def scalar(v: Any) -> Any:
+            # A scalar operand: an input, an output or a reduction's result
+            # as it is (held anyway); one that elementwise equations make,
+            # made again from values behind a barrier, so that XLA does not
+            # merge it with the original, which then keeps its consumers
+            # (one more made XLA:CPU compute Adam's bias correction apart
+            # from the loop it was fused into, and round it otherwise).
+            if isinstance(v, jex.Literal):
+                return v.val
+            if v in memo:
+                return memo[v]
+            eqn = self.producer.get(v)
+            if v in held or eqn is None:
+                result = lax.optimization_barrier(self.read(v))
+            elif eqn.primitive.name.startswith(("reduce_", "argm")):
+                result = self.read(v)
+            elif eqn.primitive in ELEMENTWISE and not eqn.params.get("sharding"):
+                result = bind(eqn, [scalar(o) for o in eqn.invars])[0]
+            else:
+                raise _Unsafe
+            memo[v] = result
+            return result
+
         def visit(var: Any) -> Any:
-            if isinstance(var, jex.Literal):  # a leaf of shape ()
-                return fn(jnp.asarray(var.val, getattr(var.aval, "dtype", None)))
             if var in memo:
                 return memo[var]
-            eqn = None if var in ends else self.producer.get(var)
-            if eqn is not None and _pushes(eqn, shape):
+            eqn = None if var in held else self.producer.get(var)
+            if eqn is None:  # an input or another output: held anyway
+                result = fn(self.read(var))
+            elif _pushes(eqn, shape):
                 operands = [
-                    visit(v) if tuple(v.aval.shape) == shape else self.read(v)
+                    visit(v) if tuple(v.aval.shape) == shape else scalar(v)
                     for v in eqn.invars
                 ]
                 result = bind(eqn, operands)[0]
-            elif eqn is not None and _broadcasts_scalar(eqn):
-                value = self.read(eqn.invars[0])
-                result = lax.broadcast_in_dim(value, viewed.shape, ())
-            else:
-                result = fn(self.read(var))
+            elif _broadcasts_scalar(eqn):
+                result = lax.broadcast_in_dim(scalar(eqn.invars[0]), viewed.shape, ())
+            else:  # a value only the update reads: read the update instead
+                raise _Unsafe
             memo[var] = result
             return result
 
-        return visit(var)
+        try:
+            return visit(var)
+        except _Unsafe:
+            return fn(out)
+
+
+class _Unsafe(Exception):
+    """The view would read a value the update's own equations make and use.
+
+    A second consumer of such a value can change how XLA compiles the
+    update (and round it otherwise): the view is then taken of the update.
+    """
 
 
 def _pushes(eqn: Any, shape: tuple) -> bool:
