@@ -43,7 +43,7 @@ from jls._hooks import Hook
 ELEMENTWISE = frozenset(
     getattr(lax, f"{name}_p")
     for name in (
-        "abs add and atan2 cbrt ceil clamp convert_element_type cos cosh div "
+        "abs add and atan2 cbrt ceil clamp convert_element_type copy cos cosh div "
         "eq erf erf_inv erfc exp exp2 expm1 floor ge gt integer_pow is_finite "
         "le log log1p logistic lt max min mul ne neg nextafter not or pow "
         "reduce_precision rem round rsqrt select_n sign sin sinh sqrt square "

@@ -440,6 +440,34 @@ def test_reading_copies_nothing_and_holds_no_update_at_the_default_cycle(donated
         assert got_temp <= temp + trees * tree + 8192, (every, temp, got_temp)
 
 
+@pytest.mark.parametrize(
+    "name", ["lion", "sgd_momentum", "rmsprop", "adamw_clipped", "plateau"]
+)
+def test_no_update_is_held_for_an_elementwise_optimizer(name):
+    # Wherever the update is elementwise in the optimizer's new state, the
+    # gradient and scalars (a global norm, a plateau's scale), its slice is
+    # computed from theirs: the step holds nothing the step without the hook
+    # does not. (Adafactor's factored moments are not: it reads its update.)
+    inner = {
+        "lion": optax.lion(1e-4),
+        "sgd_momentum": optax.sgd(1e-3, momentum=0.9),
+        "rmsprop": optax.rmsprop(1e-3),
+        "adamw_clipped": optax.chain(
+            optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.1)
+        ),
+        "plateau": optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau()),
+    }[name]
+    extra = {"value": jnp.float32(1.0)} if name == "plateau" else {}
+    params = {"w": jnp.ones((512, 256)), "b": jnp.ones(256)}
+    temps = []
+    for hooks in ((), (jls.hooks.Stagnation(),)):
+        tx = jls.loss_scaling(inner, jls.dynamic_scale(), hooks=hooks)
+        step = jax.jit(lambda g, s, p, tx=tx: jls.apply_gradients(tx, g, s, p, **extra))
+        compiled = step.lower(params, tx.init(params), params).compile()
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+    assert temps[1] <= temps[0] + 8192, temps  # one update: 525,312 bytes
+
+
 def test_one_trace_for_any_number_of_steps():
     traces = []
     params = jnp.ones(16, jnp.bfloat16)
