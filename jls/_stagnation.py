@@ -191,7 +191,7 @@ class Stagnation(Hook):
     read it with ``jls.metrics(opt_state)["stagnant_fraction"]``, or warn
     with `jls.hooks.warn_if_stagnant`. ``tx.update`` must be given the
     parameters. The default holds no memory the step without it does not
-    (0.97-1.06x the fused step on XLA:CPU; docs/howto/low_precision_params.md);
+    (0.98-1.04x the fused step on XLA:CPU; docs/howto/low_precision_params.md);
     ``every=1`` reads each update whole: 1.32x on a 27M LM, undonated.
 
     Attributes:
