@@ -72,9 +72,8 @@ class Evaluation:
         for eqn in jaxpr.eqns:
             outs = bind(eqn, [self.read(v) for v in eqn.invars])
             for var, out in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(var, jex.DropVar):
-                    self.values[var] = out
-                    self.producer[var] = eqn
+                self.values[var] = out  # a dropped one too: never read
+                self.producer[var] = eqn
         self.invars = list(jaxpr.invars) + list(jaxpr.constvars)
         self.outvars = list(jaxpr.outvars)
         self.outs = [self.read(v) for v in jaxpr.outvars]
