@@ -33,7 +33,10 @@ between. A step reads 1/``every`` of the entries inline, beside the
 update, with no conditional: no mode to declare and nothing kept in memory
 for a conditional, whether the caller's jit donates or not; a leaf sharded
 along any axis over up to 16 devices is read where it lies (a small leaf
-is read whole, under a mask). Each update's slice is computed from slices
+is read whole, under a mask), except a kernel cut along an inner axis
+(`_cut_axis`: (heads, head dim, features) along the head dim, for runs of
+consecutive entries) sharded along that axis over more devices than
+a step reads rows of it. Each update's slice is computed from slices
 of the values that made it (`jls._view`), so XLA holds no update for the
 read (reading the update itself held every one: 1.35x the step of a 27M
 LM on XLA:CPU); a compiler contracting the two computations differently
@@ -47,6 +50,7 @@ fraction into a warning on the host, where you log metrics.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, NamedTuple
 
@@ -116,29 +120,51 @@ def _block(n: int, every: int) -> int | None:
 def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
     """The step of the cycle (0 to ``every - 1``) at which each entry is read.
 
-    Along the first axis `_block` cuts (its extent a multiple of ``every *
-    ROWS``), blocks of `_block` entries take the phases in turn; with no
-    such axis (a small leaf), the entries of the last axis do, one by one,
-    and the leaf is read whole, under a mask. (numpy; what `_read` computes
-    with a slice.)
+    Along the axis `_cut_axis` picks, blocks of `_block` entries (or single
+    rows) take the phases in turn; with no such axis (a small leaf), the
+    entries of the last axis do, one by one, and the leaf is read whole,
+    under a mask. (numpy; what `_read` computes with a slice.)
     """
     shape = shape or (1,)
     axis = _cut_axis(shape, every)
     if axis is None:
         axis, index = len(shape) - 1, np.arange(shape[-1]) % every
     else:
-        index = np.arange(shape[axis]) // (_block(shape[axis], every) or 1) % every
+        index = np.arange(shape[axis]) // _rows_of(shape[axis], every) % every
     view = [1] * len(shape)
     view[axis] = -1
     return np.broadcast_to(index.reshape(view), shape)
 
 
 def _cut_axis(shape: tuple[int, ...], every: int) -> int | None:
-    """The first axis `_block` cuts in a leaf of ``shape``, or ``None``."""
-    for axis, n in enumerate(shape or (1,)):
-        if _block(n, every) is not None:
+    """The axis a leaf of ``shape`` is cut along, or ``None`` (read whole).
+
+    The first axis `_block` cuts, unless that is the last axis of a leaf of
+    several: its blocks (of one entry there, or a few) are spread over
+    every cache line of the leaf, and reading them cost as much as reading
+    it whole (a (8, 64, 512) kernel: 1.7x its Adam step on XLA:CPU). An
+    earlier axis of at least two rows per block (``n`` a multiple of ``2 *
+    every``: a slice of one row would look like a leaf read whole, whose
+    leading axis of 1 `Stagnation.read_updates` masks), each row at least
+    `BLOCK` consecutive entries, is then cut instead, one row to a block (a
+    shard along it then holds whole cycles only up to ``n // every``
+    devices; the other axes can be sharded any way).
+    """
+    shape = shape or (1,)
+    first = next(
+        (axis for axis, n in enumerate(shape) if _block(n, every) is not None), None
+    )
+    if len(shape) == 1 or (first is not None and first < len(shape) - 1):
+        return first
+    for axis, n in enumerate(shape[:-1]):
+        if n % (2 * every) == 0 and math.prod(shape[axis + 1 :]) >= BLOCK:
             return axis
-    return None
+    return first
+
+
+def _rows_of(n: int, every: int) -> int:
+    """Entries per block along a cut axis of ``n`` (`_block`, else rows of 1)."""
+    return _block(n, every) or 1
 
 
 def _read(x: jax.Array, phase: jax.Array, every: int, axis: int) -> jax.Array:
@@ -146,10 +172,11 @@ def _read(x: jax.Array, phase: jax.Array, every: int, axis: int) -> jax.Array:
 
     A dynamic slice of every ``every``-th block along the cut ``axis`` (no
     other axis is touched, and the cut one holds whole rows per shard: a
-    leaf sharded along any axis is read where it lies).
+    leaf sharded along any axis is read where it lies, within `_cut_axis`'s
+    limit).
     """
-    n, block = x.shape[axis], _block(x.shape[axis], every)
-    assert block is not None
+    n = x.shape[axis]
+    block = _rows_of(n, every)
     split = x.shape[:axis] + (n // (every * block), every, block)
     y = jnp.reshape(x, split + x.shape[axis + 1 :])
     read = lax.dynamic_index_in_dim(y, phase, axis=axis + 1, keepdims=False)

@@ -3,7 +3,8 @@
 Usage: stagnation_mesh.py   (8 host devices)
 
 Parameters sharded over 8 devices along their first or last axis, or
-replicated, under jax.jit's default (Auto) mesh: the fused step is compiled
+replicated (a 3-d kernel, cut along its middle axis, sharded along either
+of the others), under jax.jit's default (Auto) mesh: the fused step is compiled
 without the hook, with Stagnation(every=16), with Stagnation(every=1) and
 with scale_stats=True (its one reduction per leaf is the same kind), and
 the collectives of each are counted, under jax.jit over placed arrays and
@@ -35,6 +36,9 @@ specs = {
     "replicated": ((7, 3), P()),
     "wide": ((256, 2048), P(None, "dp")),
     "tiny": ((8,), P("dp")),
+    # (heads, head dim, features): cut along the head dim (`_cut_axis`)
+    "heads": ((8, 64, 512), P("dp", None, None)),
+    "features": ((8, 64, 512), P(None, None, "dp")),
 }
 params = {k: jnp.ones(shape) for k, (shape, _) in specs.items()}
 placed = {k: NamedSharding(mesh, spec) for k, (_, spec) in specs.items()}
