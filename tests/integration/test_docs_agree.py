@@ -176,3 +176,25 @@ def test_no_step_tells_jls_it_donates_when_it_does_not():
     # must not declare a donation its step does not make (from_flax's diff
     # did).
     assert not _donation_mismatches()
+
+
+def _stall_rows(text: str) -> list[list[str]]:
+    """The per-tenth rows of a stall table, as ``[tenth, lr, value, ...]``."""
+    rows = re.findall(r"^\| (\d+) \| (\d\.\de-\d\d) \| (.*) \|$", text, flags=re.M)
+    return [[t, lr, *re.split(r" \| |, ", rest)] for t, lr, rest in rows]
+
+
+def test_the_stall_table_is_the_stored_run():
+    # docs/howto/low_precision_params.md's per-tenth table (loss and
+    # stagnant fraction of each variant) is the one stagnation_stall.py
+    # wrote to benchmarks/results/cpu/stagnation_stall.txt.
+    stored = (ROOT / "benchmarks/results/cpu/stagnation_stall.txt").read_text()
+    page = (ROOT / "docs/howto/low_precision_params.md").read_text()
+    want = _stall_rows(stored)
+    assert [r[0] for r in want] == [str(t) for t in range(1, 11)]
+    assert _stall_rows(page) == want
+    held_out_row = re.search(r"^\| held-out \|.*$", page, re.M)
+    assert held_out_row is not None
+    for line in stored.splitlines()[:4]:  # each variant's held-out loss
+        name, held_out = line.split()[0], line.split()[2]
+        assert f" {held_out} " in held_out_row[0], name
