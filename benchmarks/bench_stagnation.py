@@ -14,6 +14,13 @@ so Adam's moments) to bfloat16, the case the hook is for. Run:
 to one core (``taskset -c 1 python benchmarks/bench_stagnation.py --clock
 cpu ...``) it counts this process's work alone, which on a shared machine
 resolves differences of a few percent that wall clock does not.
+
+The read's own cost is a few milliseconds in a step of hundreds, below the
+spread of the step's per-round ratios; it is also timed where it can be
+resolved, in the optimizer's update alone (``jls.apply_gradients`` on fixed
+gradients, the same interleaved rounds): the difference it makes there,
+in milliseconds, and that difference over the full step's median (the
+read's share of the step, "read / step").
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import jls
@@ -68,6 +76,48 @@ def variants(loss_fn, params, every: int):
     return out
 
 
+def update_alone(params, every: int):
+    """``jls.apply_gradients`` on fixed gradients, with and without the hook."""
+    adam = optax.adam(1e-4)
+    scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
+    out = {}
+    for donated in (False, True):
+        jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ())
+        suffix = DONATED if donated else ""
+        for name, hooks in (
+            ("jls_fused", ()),
+            (f"jls_fused_stagnation_every{every}", (jls.hooks.Stagnation(every),)),
+        ):
+            tx = jls.loss_scaling(adam, scaler, donated=donated, hooks=hooks)
+
+            def update(params, state, grads, tx=tx):
+                return jls.apply_gradients(tx, grads, state, params)
+
+            out[name + suffix] = (jit(update), tx.init(params))
+    return out
+
+
+def read_share(times: dict, steps: dict, every: int) -> dict:
+    """Per donation: the update alone's medians, the read's ms and share of the step."""
+    out = {}
+    for suffix in ("", DONATED):
+        plain = np.asarray(times["jls_fused" + suffix])
+        read = np.asarray(times[f"jls_fused_stagnation_every{every}" + suffix])
+        without, with_hook = float(np.median(plain)), float(np.median(read))
+        ratio = read / plain
+        step = steps["jls_fused" + suffix]["median_ms"]
+        out["jls_fused" + suffix] = {
+            "update_ms": without * 1e3,
+            "update_with_read_ms": with_hook * 1e3,
+            "update_ratio_median": float(np.median(ratio)),
+            "update_ratio_p10": float(np.percentile(ratio, 10)),
+            "update_ratio_p90": float(np.percentile(ratio, 90)),
+            "read_ms": (with_hook - without) * 1e3,
+            "read_share_of_step": (with_hook - without) * 1e3 / step,
+        }
+    return out
+
+
 def base(key: str) -> str:
     return "jls_fused" + DONATED if key.endswith(DONATED) else "jls_fused"
 
@@ -86,6 +136,12 @@ def run(model: str, rounds: int, steps_per_sample: int, dtype: str) -> dict:
     }
     times = bench_step.interleaved(timed, batch, rounds, steps_per_sample)
     rows = bench_step.summary(times, base)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 2.0**-10), params)
+    alone = {
+        key: (bench_step._pairwise(step), (jax.tree.map(jnp.copy, params), state))
+        for key, (step, state) in update_alone(params, steps_per_sample).items()
+    }
+    alone_times = bench_step.interleaved(alone, grads, rounds, steps_per_sample)
     n = sum(x.size for x in jax.tree.leaves(params))
     return {
         "model": f"{model} ({dtype} parameters)",
@@ -94,7 +150,28 @@ def run(model: str, rounds: int, steps_per_sample: int, dtype: str) -> dict:
         "rounds": rounds,
         "steps_per_sample": steps_per_sample,
         "variants": {k: {**v, **facts[k]} for k, v in rows.items()},
+        "read": read_share(alone_times, rows, steps_per_sample),
     }
+
+
+def read_report(result: dict) -> str:
+    """A markdown table of the read's cost, timed in the update alone."""
+    lines = [
+        "The read alone: the optimizer's update (jls.apply_gradients on fixed "
+        "gradients) without / with the hook, in the same rounds",
+        "",
+        "| donated | update (ms) | update with the read (ms) | per-round ratio: "
+        "median | p10-p90 | read (ms) | read / step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for key, v in result["read"].items():
+        lines.append(
+            f"| {'yes' if key.endswith(DONATED) else 'no'} | {v['update_ms']:.1f} | "
+            f"{v['update_with_read_ms']:.1f} | {v['update_ratio_median']:.3f} | "
+            f"{v['update_ratio_p10']:.3f}-{v['update_ratio_p90']:.3f} | "
+            f"{v['read_ms']:.2f} | {100 * v['read_share_of_step']:.2f}% |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> list[dict]:
@@ -124,7 +201,9 @@ def main(argv=None) -> list[dict]:
         result = run(m, args.rounds, args.steps, args.params)
         results.append(result)
         text = bench_step.report(result)
-        print(text.replace("ratios to plain Adam", "ratios to jls_fused"), flush=True)
+        print(text.replace("ratios to plain Adam", "ratios to jls_fused"))
+        print()
+        print(read_report(result), flush=True)
         print()
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
