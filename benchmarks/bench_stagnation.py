@@ -44,13 +44,25 @@ import bench_step  # noqa: E402
 DONATED = bench_step.DONATED
 
 
-def variants(loss_fn, params, every: int):
+def _modes():
+    """Adam, the scaler, and per donation mode ``(donated, jit, key suffix)``."""
     adam = optax.adam(1e-4)
     scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
+    modes = [
+        (
+            donated,
+            functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ()),
+            DONATED if donated else "",
+        )
+        for donated in (False, True)
+    ]
+    return adam, scaler, modes
+
+
+def variants(loss_fn, params, every: int):
+    adam, scaler, modes = _modes()
     out = {}
-    for donated in (False, True):
-        jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ())
-        suffix = DONATED if donated else ""
+    for donated, jit, suffix in modes:
 
         def plain(params, state, batch):
             grads = jax.grad(loss_fn)(params, batch)
@@ -78,12 +90,9 @@ def variants(loss_fn, params, every: int):
 
 def update_alone(params, every: int):
     """``jls.apply_gradients`` on fixed gradients, with and without the hook."""
-    adam = optax.adam(1e-4)
-    scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
+    adam, scaler, modes = _modes()
     out = {}
-    for donated in (False, True):
-        jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ())
-        suffix = DONATED if donated else ""
+    for donated, jit, suffix in modes:
         for name, hooks in (
             ("jls_fused", ()),
             (f"jls_fused_stagnation_every{every}", (jls.hooks.Stagnation(every),)),
