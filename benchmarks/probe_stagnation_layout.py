@@ -3,9 +3,11 @@
 At the default cycle of 16 a step reads one block in 16 of each leaf. Cut
 along the last axis, a block of one entry lies every 16th in memory, so
 the read touches every cache line of the leaf and costs what reading it
-whole costs. Since 5956d4e a leaf whose first axis that `_block` cuts is
-its last (an attention kernel of shape (heads, head dim, features), a
-(128, 512) matrix) is cut in whole rows along an earlier axis instead.
+whole costs. Since 5956d4e such blocks are widened to 16 entries where the
+axis has room (a (64, 4096) kernel), and a leaf of 64Ki entries or more
+whose axis has none (an attention kernel of shape (heads, head dim,
+features), a (128, 512) matrix) is cut in whole rows along an earlier
+axis instead (`jls._stagnation._cut`).
 
 This times the optimizer's update alone (``jls.apply_gradients``, Adam,
 fixed gradients, donated) on a tree of leaves of one shape, and on the
@@ -13,7 +15,7 @@ fixed gradients, donated) on a tree of leaves of one shape, and on the
 in interleaved rounds, each sample by the process's CPU time:
 
   none      without the hook
-  rows      with ``Stagnation()``, cut as the package cuts (`_cut_axis`)
+  rows      with ``Stagnation()``, cut as the package cuts (`_cut`)
   last      with ``Stagnation()``, cut along the first axis `_block` cuts,
             the last one here (the rule before 5956d4e; patched in)
 
@@ -39,20 +41,21 @@ from jls import _stagnation
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_step  # noqa: E402
 
-PRESENT = _stagnation._cut_axis
+PRESENT = _stagnation._cut
 
 
-def last_cut(shape: tuple[int, ...], every: int) -> int | None:
-    """The rule before 5956d4e: the first axis `_block` cuts, whichever."""
+def last_cut(shape: tuple[int, ...], every: int) -> tuple[int, int] | None:
+    """The rule before 5956d4e: the first axis `_block` cuts, its blocks."""
     for axis, n in enumerate(shape or (1,)):
-        if _stagnation._block(n, every) is not None:
-            return axis
+        block = _stagnation._block(n, every)
+        if block is not None:
+            return axis, block
     return None
 
 
 def compiled(params, rule):
     """The donated update step, traced (and so cut) under ``rule``."""
-    _stagnation._cut_axis = rule
+    _stagnation._cut = rule
     try:
         hooks = () if rule is None else (jls.hooks.Stagnation(),)
         tx = jls.loss_scaling(
@@ -70,7 +73,7 @@ def compiled(params, rule):
         carry = (jax.tree.map(jnp.copy, params), state)
         return step, carry, grads
     finally:
-        _stagnation._cut_axis = PRESENT
+        _stagnation._cut = PRESENT
 
 
 def run(params, rounds: int, steps: int) -> dict:
@@ -104,12 +107,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.default_backend()}; clock: cpu")
     print()
-    print("| leaves | cut (rows / last) | none (ms) | rows | last |")
+    print("| leaves | (axis, block): rows / last | none (ms) | rows | last |")
     print("| --- | --- | ---: | ---: | ---: |")
-    for shape, count in (((8, 64, 512), 16), ((128, 512), 64), ((512, 8192), 1)):
+    shapes = (((8, 64, 512), 16), ((128, 512), 64), ((64, 4096), 16), ((512, 8192), 1))
+    for shape, count in shapes:
         params = {f"w{i}": jnp.full(shape, 1.0 + i) for i in range(count)}
         got = run(params, args.rounds, args.steps)
-        axes = f"axis {PRESENT(shape, 16)} / axis {last_cut(shape, 16)}"
+        axes = f"{PRESENT(shape, 16)} / {last_cut(shape, 16)}"
         print(
             f"| {count} x {shape} | {axes} | {got['none'][0]:.2f} | "
             f"{got['rows'][1]:.3f}x | {got['last'][1]:.3f}x |",

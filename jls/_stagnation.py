@@ -26,25 +26,27 @@ above).
 
 ``every`` (default 16) spreads one reading over ``every`` applied steps:
 each step reads one ``every``-th of each parameter's entries (every
-``every``-th block of a few consecutive entries along one axis, the block
-offset the cycle's position: `read_phases`), so every entry is read once
-per cycle, and the fraction is reported when a cycle completes and held in
-between. A step reads 1/``every`` of the entries inline, beside the
-update, with no conditional: no mode to declare and nothing kept in memory
-for a conditional, whether the caller's jit donates or not; a leaf sharded
-along any axis over up to 16 devices is read where it lies (a small leaf
-is read whole, under a mask), except a kernel cut along an inner axis
-(`_cut_axis`: (heads, head dim, features) along the head dim, for runs of
-consecutive entries) sharded along that axis over more devices than
-a step reads rows of it. Each update's slice is computed from slices
-of the values that made it (`jls._view`), so XLA holds no update for the
+``every``-th block of a few consecutive entries along one axis, the
+block offset the cycle's position: `read_phases`), so every entry is
+read once per cycle, and the fraction is reported when a cycle completes
+and held in between. A step reads 1/``every`` of the entries inline,
+beside the update, with no conditional: no mode to declare and nothing
+kept in memory for a conditional, whether the caller's jit donates or
+not; a leaf sharded along any axis over up to 16 devices is read where
+it lies (a small leaf is read whole, under a mask), except a large leaf
+cut along an inner axis (`_cut`: a (heads, head dim, features) kernel
+along its head dim, so that a step reads runs of consecutive entries)
+sharded along that axis over a device count that does not divide the
+rows a step reads of it. Each update's slice is computed from slices of
+the values that made it (`jls._view`), so XLA holds no update for the
 read (reading the update itself held every one: 1.35x the step of a 27M
 LM on XLA:CPU); a compiler contracting the two computations differently
-(a GPU's fused multiply-add) can move it by its last place, which changes
-a count only that close to half the parameter's spacing. ``every=1``
-reads every entry on every step, from the update itself. A skipped step
-reads nothing and does not advance the cycle. `warn_if_stagnant` turns the
-fraction into a warning on the host, where you log metrics.
+(a GPU's fused multiply-add) can move it by its last place, which
+changes a count only that close to half the parameter's spacing.
+``every=1`` reads every entry on every step, from the update itself. A
+skipped step reads nothing and does not advance the cycle.
+`warn_if_stagnant` turns the fraction into a warning on the host, where
+you log metrics.
 """
 
 from __future__ import annotations
@@ -120,63 +122,85 @@ def _block(n: int, every: int) -> int | None:
 def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
     """The step of the cycle (0 to ``every - 1``) at which each entry is read.
 
-    Along the axis `_cut_axis` picks, blocks of `_block` entries (or single
-    rows) take the phases in turn; with no such axis (a small leaf), the
-    entries of the last axis do, one by one, and the leaf is read whole,
-    under a mask. (numpy; what `_read` computes with a slice.)
+    Along the axis `_cut` picks, its blocks take the phases in turn; with
+    no such axis (a small leaf), the entries of the last axis do, one by
+    one, and the leaf is read whole, under a mask. (numpy; what `_read`
+    computes with a slice.)
     """
     shape = shape or (1,)
-    axis = _cut_axis(shape, every)
-    if axis is None:
+    cut = _cut(shape, every)
+    if cut is None:
         axis, index = len(shape) - 1, np.arange(shape[-1]) % every
     else:
-        index = np.arange(shape[axis]) // _rows_of(shape[axis], every) % every
+        axis, block = cut
+        index = np.arange(shape[axis]) // block % every
     view = [1] * len(shape)
     view[axis] = -1
     return np.broadcast_to(index.reshape(view), shape)
 
 
-def _cut_axis(shape: tuple[int, ...], every: int) -> int | None:
-    """The axis a leaf of ``shape`` is cut along, or ``None`` (read whole).
+STRIDED = 1 << 16
+"""Entries from which a leaf is cut along an earlier axis rather than in
+strided blocks along its last (`_cut`): below it, reading the strided
+blocks costs little (a leaf of 256 KB of float32)."""
 
-    The first axis `_block` cuts, unless that is the last axis of a leaf of
-    several: its blocks (of one entry there, or a few) are spread over
-    every cache line of the leaf, and reading them cost as much as reading
-    it whole (a (8, 64, 512) kernel: 1.66x its Adam step on XLA:CPU). An
-    earlier axis of at least two rows per block (``n`` a multiple of ``2 *
-    every``: a slice of one row would look like a leaf read whole, whose
-    leading axis of 1 `Stagnation.read_updates` masks), each row at least
-    `BLOCK` consecutive entries, is then cut instead, one row to a block (a
-    shard along it then holds whole cycles only up to ``n // every``
-    devices; the other axes can be sharded any way).
+
+def _cut(shape: tuple[int, ...], every: int) -> tuple[int, int] | None:
+    """``(axis, entries per block)`` a leaf is cut in, or ``None`` (read whole).
+
+    The first axis `_block` cuts: each step's slice holds a multiple of
+    `ROWS` rows, so that a shard along it over up to 16 devices holds whole
+    cycles, and no axis is gathered for the read. Its blocks are widened
+    to `BLOCK` consecutive entries where the axis has room for that
+    (a (64, 4096) kernel: 16 rows of 16 entries a step): blocks of a few
+    entries along the last axis lie every ``every``-th in memory, the read
+    touches every cache line of the leaf, and it cost what reading it whole
+    costs (1.66x the Adam step of (8, 64, 512) kernels on XLA:CPU). Where
+    the axis has no room, a leaf of `STRIDED` entries or more is cut in
+    whole rows along an earlier axis of at least two rows a step (``n`` a
+    multiple of ``2 * every``: a slice of one row would look like a leaf
+    read whole, whose leading axis of 1 `Stagnation.read_updates` masks),
+    each row at least `BLOCK` entries: the head dim of a (heads, head dim,
+    features) kernel. A shard along that axis then holds whole cycles only
+    where the device count divides ``n // every``; the other axes can be
+    sharded any way.
     """
     shape = shape or (1,)
     first = next(
         (axis for axis, n in enumerate(shape) if _block(n, every) is not None), None
     )
-    if len(shape) == 1 or (first is not None and first < len(shape) - 1):
-        return first
+    if first is not None:
+        n, rest = shape[first], math.prod(shape[first + 1 :])
+        block = _block(n, every) or 1
+        wide = 1
+        while wide * rest < BLOCK and wide < BLOCK:
+            wide *= 2
+        if block * rest >= BLOCK:
+            return first, block
+        if n % (every * wide * ROWS) == 0:
+            return first, wide
+        if math.prod(shape) < STRIDED:
+            return first, block
+    elif math.prod(shape) < STRIDED:
+        return None
     for axis, n in enumerate(shape[:-1]):
         if n % (2 * every) == 0 and math.prod(shape[axis + 1 :]) >= BLOCK:
-            return axis
-    return first
+            return axis, 1
+    return None if first is None else (first, _block(shape[first], every) or 1)
 
 
-def _rows_of(n: int, every: int) -> int:
-    """Entries per block along a cut axis of ``n`` (`_block`, else rows of 1)."""
-    return _block(n, every) or 1
+def _read(
+    x: jax.Array, phase: jax.Array, every: int, cut: tuple[int, int]
+) -> jax.Array:
+    """The entries of ``x`` read at ``phase`` (`read_phases`), the cut axis first.
 
-
-def _read(x: jax.Array, phase: jax.Array, every: int, axis: int) -> jax.Array:
-    """The entries of ``x`` read at ``phase`` (`read_phases`), ``axis`` first.
-
-    A dynamic slice of every ``every``-th block along the cut ``axis`` (no
+    A dynamic slice of every ``every``-th block along the cut axis (no
     other axis is touched, and the cut one holds whole rows per shard: a
-    leaf sharded along any axis is read where it lies, within `_cut_axis`'s
+    leaf sharded along any axis is read where it lies, within `_cut`'s
     limit).
     """
+    axis, block = cut
     n = x.shape[axis]
-    block = _rows_of(n, every)
     split = x.shape[:axis] + (n // (every * block), every, block)
     y = jnp.reshape(x, split + x.shape[axis + 1 :])
     read = lax.dynamic_index_in_dim(y, phase, axis=axis + 1, keepdims=False)
@@ -265,10 +289,10 @@ class Stagnation(Hook):
         if self.every == 1:
             return None
         phase = state.phase % self.every  # a state from another cycle length
-        axis = _cut_axis(shape, self.every)
-        if axis is None:
+        cut = _cut(shape, self.every)
+        if cut is None:
             return lambda x: jnp.reshape(x, (1, *(x.shape or (1,))))
-        return lambda x: _read(x, phase, self.every, axis)
+        return lambda x: _read(x, phase, self.every, cut)
 
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """Per leaf, ``[stuck, moving]``: this device's counts of the entries read.

@@ -108,10 +108,12 @@ def _cycle_reference(params, grads_seq, applied, every, dtype):
 @pytest.mark.parametrize("every", [1, 3, 16])
 def test_each_cycle_reads_every_entry_once(every, fused):
     # Leaves no axis of which the cycle divides, a scalar, leaves cut in
-    # blocks along their last axis, and one cut in rows along its first
-    # (at 16; along its last at 3); nan steps skipped mid-cycle.
+    # blocks along their last axis, at 16 one in blocks widened to 16
+    # entries and one cut in rows along its first axis, not its last
+    # (`_cut`); nan steps skipped mid-cycle.
     dtype = jnp.bfloat16
-    shapes = [(5,), (3, 200), (1024,), (7, 300), (), (4, 2, 768), (32, 4, 48)]
+    shapes = [(5,), (3, 200), (1024,), (7, 300), (), (4, 2, 768), (8, 4096)]
+    shapes.append((32, 4, 512))
     rng = np.random.default_rng(every)
     params = [jnp.asarray(rng.uniform(0.5, 2.0, s), dtype) for s in shapes]
     tx = jls.loss_scaling(
@@ -140,15 +142,17 @@ def test_each_cycle_reads_every_entry_once(every, fused):
 
 
 @pytest.mark.parametrize(
-    "shape", [(8, 64, 512), (3, 3, 64, 64), (512, 8, 64), (1024, 512), (32, 4, 48)]
+    "shape",
+    [(8, 64, 512), (3, 3, 128, 128), (512, 8, 64), (1024, 512), (64, 4096), (8192,)],
 )
 def test_each_step_reads_runs_of_a_cache_line_or_more(shape):
     # A step reads 1/16 of each leaf. Entries that lie every 16th in memory
     # touch every cache line of it, and cost what reading it whole costs: a
     # flax attention block's (heads, head dim, features) kernel, cut along
     # its last axis, made the read 1.66x its Adam step on XLA:CPU. Each
-    # step's entries are runs of at least 16 (a line of float32) in memory,
-    # and every entry is read once per cycle.
+    # step's entries of a leaf of 64Ki entries or more (or with room for
+    # wider blocks along its cut axis) are runs of at least 16 (a line of
+    # float32) in memory, and every entry is read once per cycle.
     phases = read_phases(shape, 16).ravel()  # row-major: memory order
     starts = np.flatnonzero(np.diff(phases)) + 1
     runs = np.diff(np.concatenate([[0], starts, [phases.size]]))

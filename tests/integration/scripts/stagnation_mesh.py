@@ -4,15 +4,16 @@ Usage: stagnation_mesh.py   (8 host devices)
 
 Parameters sharded over 8 devices along their first or last axis, or
 replicated (a 3-d kernel, cut along its middle axis, sharded along either
-of the others), under jax.jit's default (Auto) mesh: the fused step is compiled
-without the hook, with Stagnation(every=16), with Stagnation(every=1) and
-with scale_stats=True (its one reduction per leaf is the same kind), and
-the collectives of each are counted, under jax.jit over placed arrays and
-with in_shardings over host arrays. Then a replicated leaf (8
-entries, every update rounded away) beside a sharded one (shard d moves
-d + 1 of its 8 entries, the rest have no update) under shard_map
-(check_vma True and False) and pmap, a cycle of 2 steps: the fraction, and
-whether shard_map could return the state replicated. Prints one JSON line.
+of the others; conv kernels sharded along C_in), under jax.jit's default
+(Auto) mesh: the fused step is compiled without the hook, with
+Stagnation(every=16), with Stagnation(every=1) and with scale_stats=True
+(its one reduction per leaf is the same kind), and the collectives of each
+are counted, under jax.jit over placed arrays and with in_shardings over
+host arrays. Then a replicated leaf (8 entries, every update rounded away)
+beside a sharded one (shard d moves d + 1 of its 8 entries, the rest have
+no update) under shard_map (check_vma True and False) and pmap, a cycle of
+2 steps: the fraction, and whether shard_map could return the state
+replicated. Prints one JSON line.
 """
 
 import json
@@ -36,9 +37,15 @@ specs = {
     "replicated": ((7, 3), P()),
     "wide": ((256, 2048), P(None, "dp")),
     "tiny": ((8,), P("dp")),
-    # (heads, head dim, features): cut along the head dim (`_cut_axis`)
+    # (heads, head dim, features): cut along the head dim (`_cut`)
     "heads": ((8, 64, 512), P("dp", None, None)),
     "features": ((8, 64, 512), P(None, None, "dp")),
+    # in blocks of 16 along the last axis, sharded along the first (FSDP)
+    "fsdp": ((64, 4096), P("dp", None)),
+    # conv kernels: read whole (small), in rows along C_in (8 a step)
+    "conv": ((3, 3, 64, 64), P(None, None, "dp", None)),
+    "conv_wide": ((3, 3, 128, 128), P(None, None, "dp", None)),
+    "small": ((64, 64), P("dp", None)),
 }
 params = {k: jnp.ones(shape) for k, (shape, _) in specs.items()}
 placed = {k: NamedSharding(mesh, spec) for k, (_, spec) in specs.items()}
