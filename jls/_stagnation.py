@@ -155,7 +155,7 @@ def _cut(shape: tuple[int, ...], every: int) -> tuple[int, int] | None:
     (a (64, 4096) kernel: 16 rows of 16 entries a step): blocks of a few
     entries along the last axis lie every ``every``-th in memory, the read
     touches every cache line of the leaf, and it cost what reading it whole
-    costs (1.66x the Adam step of (8, 64, 512) kernels on XLA:CPU). Where
+    costs (1.69x the Adam step of (8, 64, 512) kernels on XLA:CPU). Where
     the axis has no room, a leaf of `STRIDED` entries or more is cut in
     whole rows along an earlier axis of at least two rows a step (``n`` a
     multiple of ``2 * every``: a slice of one row would look like a leaf
@@ -242,7 +242,7 @@ class Stagnation(Hook):
     read it with ``jls.metrics(opt_state)["stagnant_fraction"]``, or warn
     with `jls.hooks.warn_if_stagnant`. ``tx.update`` must be given the
     parameters. The default holds no memory the step without it does not
-    (0.98-1.01x the fused step on XLA:CPU, the read 0.2-0.7% of it;
+    (0.98-1.03x the fused step on XLA:CPU, the read 0.4-0.7% of it;
     docs/howto/low_precision_params.md);
     ``every=1`` reads each update whole: 1.32x on a 27M LM, undonated.
 

@@ -149,7 +149,7 @@ def test_each_step_reads_runs_of_a_cache_line_or_more(shape):
     # A step reads 1/16 of each leaf. Entries that lie every 16th in memory
     # touch every cache line of it, and cost what reading it whole costs: a
     # flax attention block's (heads, head dim, features) kernel, cut along
-    # its last axis, made the read 1.66x its Adam step on XLA:CPU. Each
+    # its last axis, made the read 1.69x its Adam step on XLA:CPU. Each
     # step's entries of a leaf of 64Ki entries or more (or with room for
     # wider blocks along its cut axis) are runs of at least 16 (a line of
     # float32) in memory, and every entry is read once per cycle.
