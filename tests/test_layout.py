@@ -17,7 +17,7 @@ PACKAGE = ROOT / "jls"
 
 # Lowest first: a module may import only from layers below its own.
 LAYERS = [
-    ["jls._validate", "jls._compat", "jls._shards"],
+    ["jls._validate", "jls._compat", "jls._shards", "jls._blocks"],
     ["jls._state", "jls._composition"],
     ["jls._tree"],
     ["jls._scaling"],

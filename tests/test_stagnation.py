@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jls
-from jls._stagnation import read_phases
+from jls._blocks import read_phases
 
 
 def _step(tx, fused):
@@ -139,25 +139,6 @@ def test_each_cycle_reads_every_entry_once(every, fused):
     want = _cycle_reference(params, grads_seq, applied, every, dtype)
     assert any(0 < w < 1 for w in want)  # both kinds of entry are there
     np.testing.assert_allclose(seen, want, rtol=1e-6)
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [(8, 64, 512), (3, 3, 128, 128), (512, 8, 64), (1024, 512), (64, 4096), (8192,)],
-)
-def test_each_step_reads_runs_of_a_cache_line_or_more(shape):
-    # A step reads 1/16 of each leaf. Entries that lie every 16th in memory
-    # touch every cache line of it, and cost what reading it whole costs: a
-    # flax attention block's (heads, head dim, features) kernel, cut along
-    # its last axis, made the read 1.69x its Adam step on XLA:CPU. Each
-    # step's entries of a leaf of 64Ki entries or more (or with room for
-    # wider blocks along its cut axis) are runs of at least 16 (a line of
-    # float32) in memory, and every entry is read once per cycle.
-    phases = read_phases(shape, 16).ravel()  # row-major: memory order
-    starts = np.flatnonzero(np.diff(phases)) + 1
-    runs = np.diff(np.concatenate([[0], starts, [phases.size]]))
-    assert runs.min() >= 16, (shape, runs.min())
-    assert np.bincount(phases).tolist() == [phases.size // 16] * 16
 
 
 def _inner_optimizers():
