@@ -111,7 +111,7 @@ def isolated(rounds: int) -> dict:
     from jax import lax
 
     from jls._finite import leaves_finite
-    from jls._scale_stats import _reduce
+    from jls.hooks._scale_stats import _reduce
 
     shapes = [(8192, 1024)] * 4 + [(1024, 1024)] * 16 + [(1024, 4096)] * 16
     key = jax.random.key(0)

@@ -53,8 +53,8 @@ import optax
 
 import jls
 from jls._finite import inexact_leaves
-from jls._hooks import Hook
 from jls._squares import leaves_squares
+from jls.hooks._hooks import Hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import make_problem  # noqa: E402

@@ -7,7 +7,7 @@ whole costs. Since 5956d4e such blocks are widened to 16 entries where the
 axis has room (a (64, 4096) kernel), and a leaf of 64Ki entries or more
 whose axis has none (an attention kernel of shape (heads, head dim,
 features), a (128, 512) matrix) is cut in whole rows along an earlier
-axis instead (`jls._blocks._cut`).
+axis instead (`jls.hooks._blocks._cut`).
 
 This times the optimizer's update alone (``jls.apply_gradients``, Adam,
 fixed gradients, donated) on a tree of leaves of one shape, and on the
@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 import jls
-from jls import _blocks, _stagnation
+from jls.hooks import _blocks, _stagnation
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_step  # noqa: E402

@@ -132,9 +132,9 @@ nitpick_ignore_regex = [
     # The standard library's types in signatures (collections.abc.Callable,
     # Sequence, Mapping).
     (r"py:.*", r"collections\.abc\..*"),
-    # jls's private modules and types (jls._hooks.StepInfo,
-    # jls._precision.PrecisionReport, jls._inner.Transformation, the base
-    # jls._config.Config, the TypeVar jls._policy.T, ...): they appear in
+    # jls's private modules and types (jls.hooks._hooks.StepInfo,
+    # jls.precision._precision.PrecisionReport, jls._inner.Transformation, the base
+    # jls._config.Config, the TypeVar jls.precision._policy.T, ...): they appear in
     # signatures and bases and, as `jls._measured`, in a docstring, but are
     # not public, so the API reference has no entry for them.
     (r"py:.*", r"jls\._.*"),
@@ -145,7 +145,7 @@ nitpick_ignore_regex = [
 ]
 nitpick_ignore = [
     # jls.hooks.SpikeRule.veto and .update point at the private helpers of
-    # jls/_spikes.py that implement them; they have no page.
+    # jls/hooks/_spikes.py that implement them; they have no page.
     ("py:obj", "is_spike"),
     ("py:obj", "advance"),
 ]

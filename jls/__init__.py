@@ -18,7 +18,6 @@ from jls import hooks, precision, presets
 from jls._checkpoint import upgrade_state
 from jls._dynamic import dynamic_scale
 from jls._finite import all_finite
-from jls._hooks import LossScalingState
 from jls._keep import keep_if_skipped
 from jls._loss_scaling import apply_gradients, loss_scaling, metrics
 from jls._measured import measured_scale
@@ -30,6 +29,7 @@ from jls._static import no_scale, static_scale
 from jls._step import train_step
 from jls._transformation import LossScaling
 from jls._tree import loss_scale_state
+from jls.hooks._hooks import LossScalingState
 
 __version__ = "0.4.0.dev0"
 

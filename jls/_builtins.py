@@ -14,15 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from jls._diagnostics import Diagnostics
-from jls._divergence import Divergence
-from jls._hooks import Hook
-from jls._nonfinite_loss import NonfiniteLoss
-from jls._norm import GradientNorm
-from jls._replicas import ReplicaCheck
-from jls._scale_stats import ScaleStats
-from jls._spikes import SpikeRule
 from jls._validate import axis_names, flag
+from jls.hooks._diagnostics import Diagnostics
+from jls.hooks._divergence import Divergence
+from jls.hooks._hooks import Hook
+from jls.hooks._nonfinite_loss import NonfiniteLoss
+from jls.hooks._norm import GradientNorm
+from jls.hooks._replicas import ReplicaCheck
+from jls.hooks._scale_stats import ScaleStats
+from jls.hooks._spikes import SpikeRule
 
 
 def hooks_from_options(

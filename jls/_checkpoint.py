@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jls._hooks import LossScalingState
-from jls._spikes import SpikeState
 from jls._state import LossScaleState
+from jls.hooks._hooks import LossScalingState
+from jls.hooks._spikes import SpikeState
 
 _MISSING = object()
 

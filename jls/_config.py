@@ -18,11 +18,11 @@ import optax
 
 from jls._builtins import hooks_from_options
 from jls._dynamic import dynamic_scale
-from jls._hooks import Hook, HookContext
 from jls._inner import Transformation, checked_inner
 from jls._off import is_off
 from jls._rule import LossScaler, checked_scaler
 from jls._validate import axis_names, flag
+from jls.hooks._hooks import Hook, HookContext
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,11 +51,11 @@ from jls._decision import (
     same_on_replicas,
     vetoes,
 )
-from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._off import off_step, warn_float16
 from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
 from jls._state import LossScaleState, check_state
 from jls._tree import holds, merge, split_frozen, split_inexact
+from jls.hooks._hooks import Hook, LossScalingState, StepInfo
 
 
 class Prepared(NamedTuple):

@@ -21,9 +21,9 @@ from jax import lax
 from jls._compat import varying_axes
 from jls._config import Config
 from jls._finite import all_finite, unscaled_finite
-from jls._hooks import StepInfo
 from jls._squares import unscaled_measured, unscaled_norm
 from jls._state import LossScaleState
+from jls.hooks._hooks import StepInfo
 
 
 class Decision(NamedTuple):

@@ -14,13 +14,13 @@ import jax
 import optax
 
 from jls._core import step
-from jls._divergence import DIVERGENCE_LIMIT
-from jls._hooks import Hook, LossScalingState, hook_metrics
 from jls._inner import Transformation
 from jls._rule import LossScaler
-from jls._spikes import SpikeRule
 from jls._transformation import MISSING, LossScaling, config_of
 from jls._tree import loss_scale_state
+from jls.hooks._divergence import DIVERGENCE_LIMIT
+from jls.hooks._hooks import Hook, LossScalingState, hook_metrics
+from jls.hooks._spikes import SpikeRule
 
 
 def metrics(opt_state: Any) -> dict[str, jax.Array]:

@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jls._divergence import Divergence
-from jls._hooks import Hook, LossScalingState
-from jls._nonfinite_loss import NonfiniteLoss
 from jls._rule import LossScaler
+from jls.hooks._divergence import Divergence
+from jls.hooks._hooks import Hook, LossScalingState
+from jls.hooks._nonfinite_loss import NonfiniteLoss
 
 
 def is_off(scaler: LossScaler, hooks: tuple[Hook, ...]) -> bool:

@@ -19,11 +19,11 @@ import optax
 from jls._composition import check_not_masked, not_loss_scaling
 from jls._config import Config, make_config
 from jls._core import step
-from jls._divergence import DIVERGENCE_LIMIT
-from jls._hooks import Hook, LossScalingState
 from jls._inner import Transformation
 from jls._rule import LossScaler
-from jls._spikes import SpikeRule
+from jls.hooks._divergence import DIVERGENCE_LIMIT
+from jls.hooks._hooks import Hook, LossScalingState
+from jls.hooks._spikes import SpikeRule
 
 
 class LossScaling:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.extend import core as jex
 
 from jls._compat import bind
-from jls._hooks import Hook
+from jls.hooks._hooks import Hook
 
 # Primitives that map entries to entries (each output entry depends only on
 # the same entry of each operand, scalars broadcast): a view commutes with them.

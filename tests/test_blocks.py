@@ -1,10 +1,10 @@
-"""Which entries `jls.hooks.Stagnation` reads at each step (`jls._blocks`)."""
+"""Which entries `jls.hooks.Stagnation` reads at each step (`jls.hooks._blocks`)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jls._blocks import _cut, _read, read_phases
+from jls.hooks._blocks import _cut, _read, read_phases
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ import optax
 import pytest
 
 import jls
-from jls._divergence import Divergence
-from jls._nonfinite_loss import NonfiniteLoss
 from jls._transformation import config_of
+from jls.hooks._divergence import Divergence
+from jls.hooks._nonfinite_loss import NonfiniteLoss
 
 
 def test_the_keywords_are_hooks_in_order():

@@ -1,4 +1,4 @@
-"""`jls._cast_eval`: the per-op casting rules, and nested programs run by them."""
+"""`jls.precision._cast_eval`: the per-op casting rules, and nested programs."""
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 # pyright: reportCallIssue=false, reportIndexIssue=false, reportOptionalMemberAccess=false

@@ -238,7 +238,7 @@ def test_the_fused_path_matches_tx_update():
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     x = jnp.asarray(np.linspace(1.0, 2.0, 101, dtype=np.float32)[1:-1])
     keys = jax.random.split(jax.random.key(0), 4000)
-    rounded = jls._compensated.round_stochastically
+    rounded = jls.precision._compensated.round_stochastically
     draws = jax.vmap(lambda k: rounded(x, jnp.bfloat16, k))(keys)
     # The neighbours, from the bits: bfloat16 is float32's top 16 bits.
     bits = np.asarray(x).view(np.uint32) & np.uint32(0xFFFF0000)
@@ -252,7 +252,7 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
     assert np.all(np.abs(mean - np.asarray(x, np.float64)) <= 4 * spacing / 2 / 63)
     # A value bfloat16 holds is kept; inf and nan pass through.
     exact = jnp.asarray([1.0, 1.5, -3.0, np.inf, -np.inf, np.nan], jnp.float32)
-    got = jls._compensated.round_stochastically(exact, jnp.bfloat16, keys[0])
+    got = jls.precision._compensated.round_stochastically(exact, jnp.bfloat16, keys[0])
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(exact))
 
 
@@ -341,7 +341,7 @@ def test_a_finite_run_saturates_instead_of_overflowing():
     ],
 )
 def test_stochastic_rounding_saturates_on_both_sides(dtype, x, want):
-    rounded = jls._compensated.round_stochastically
+    rounded = jls.precision._compensated.round_stochastically
     for seed in range(4):
         got = rounded(jnp.asarray(x, jnp.float32), dtype, jax.random.key(seed))
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-7)

@@ -1,4 +1,4 @@
-"""A non-finite loss skips its step and keeps the scale (`jls._nonfinite_loss`)."""
+"""A non-finite loss skips its step, keeping the scale (`jls.hooks._nonfinite_loss`)."""
 
 import chex
 import jax

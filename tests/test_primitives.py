@@ -1,9 +1,9 @@
-"""`jls._primitives`: every matmul-like and collective primitive of jax is named.
+"""`jls.precision._primitives`: every matmul-like and collective primitive is named.
 
 The installed jax's primitives are enumerated from its own modules (private
 jax, read by this test only): a primitive a later jax adds whose name says
 dot, conv, matmul or einsum, or one of its parallel (collective) module,
-fails here until `jls._primitives` classifies it, instead of being missed by
+fails here until `jls.precision._primitives` classifies it, instead of being missed by
 `jls.precision.precision_report` and `jls.precision.autocast`.
 """
 
@@ -15,7 +15,7 @@ import sys
 import pytest
 from jax.extend.core import Primitive
 
-from jls._primitives import CAST, COLLECTIVES, FLOAT32, MATMULS
+from jls.precision._primitives import CAST, COLLECTIVES, FLOAT32, MATMULS
 
 # Where jax defines its primitives (jax 0.8.0 through 0.10.2); a package
 # missing from one version is skipped, the rest must import.
@@ -78,7 +78,7 @@ def test_the_enumeration_finds_jax_s_primitives():
 def test_every_matmul_like_primitive_is_counted():
     named = {n for n in PRIMITIVES if MATMUL_LIKE.search(n)} - set(NOT_MATMULS)
     missing = named - MATMULS
-    assert not missing, f"classify in jls/_primitives.py: {sorted(missing)}"
+    assert not missing, f"classify in jls/precision/_primitives.py: {sorted(missing)}"
 
 
 def test_every_collective_is_listed():
@@ -88,7 +88,7 @@ def test_every_collective_is_listed():
         if any(m.endswith("lax.parallel") for m in modules)
     }
     missing = parallel - COLLECTIVES - set(NOT_COLLECTIVES)
-    assert not missing, f"classify in jls/_primitives.py: {sorted(missing)}"
+    assert not missing, f"classify in jls/precision/_primitives.py: {sorted(missing)}"
 
 
 @pytest.mark.parametrize("name", sorted(CAST | {"exp", "log", "reduce_sum", "square"}))

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jls
 from jls._decision import same_on_replicas
-from jls._replicas import fingerprint
+from jls.hooks._replicas import fingerprint
 
 R = 4
 

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jls
-from jls._blocks import read_phases
+from jls.hooks._blocks import read_phases
 
 
 def _step(tx, fused):

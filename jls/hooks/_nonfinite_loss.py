@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jls._hooks import Hook, StepInfo
 from jls._tree import plain
+from jls.hooks._hooks import Hook, StepInfo
 
 
 class NonfiniteLossState(NamedTuple):

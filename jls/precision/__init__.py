@@ -17,11 +17,11 @@ Example:
   {'float16': 1}
 """
 
-from jls._autocast import autocast
-from jls._compensated import compensated, stochastic_rounding
-from jls._policy import Policy, get_policy
-from jls._precision import PrecisionReport, precision_report
-from jls._scaled_state import ScaledState, scaled_state
+from jls.precision._autocast import autocast
+from jls.precision._compensated import compensated, stochastic_rounding
+from jls.precision._policy import Policy, get_policy
+from jls.precision._precision import PrecisionReport, precision_report
+from jls.precision._scaled_state import ScaledState, scaled_state
 
 __all__ = [
     "Policy",

@@ -38,8 +38,8 @@ import numpy as np
 
 from jls._compat import tracked_in
 from jls._finite import inexact_leaves
-from jls._hooks import Hook, HookContext, StepInfo
 from jls._tree import plain
+from jls.hooks._hooks import Hook, HookContext, StepInfo
 
 
 def fingerprint(grads: Any) -> list[Any]:

@@ -24,9 +24,9 @@ import numpy as np
 from jax.core import Tracer
 from jax.experimental import checkify
 
-from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._tree import find_all, loss_scale_state, plain
 from jls._validate import integer
+from jls.hooks._hooks import Hook, LossScalingState, StepInfo
 
 # The default divergence limit: a run that skipped this many steps in a row
 # can only skip (DeepSpeed stops at its minimum scale, MindSpore after 1000).

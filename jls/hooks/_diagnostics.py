@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._scaling import reciprocals, unscale_leaf
 from jls._tree import find_one, plain
+from jls.hooks._hooks import Hook, LossScalingState, StepInfo
 
 
 def _empty_slice(x: jax.Array) -> jax.Array:

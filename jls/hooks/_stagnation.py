@@ -27,7 +27,7 @@ above).
 ``every`` (default 16) spreads one reading over ``every`` applied steps:
 each step reads one ``every``-th of each parameter's entries (every
 ``every``-th block of a few consecutive entries along one axis, the
-block offset the cycle's position: `jls._blocks.read_phases`), so every entry is
+block offset the cycle's position: `jls.hooks._blocks.read_phases`), so every entry is
 read once per cycle, and the fraction is reported when a cycle completes
 and held in between. A step reads 1/``every`` of the entries inline,
 beside the update, with no conditional: no mode to declare and nothing
@@ -61,13 +61,13 @@ import numpy as np
 from jax import lax
 from jax.core import Tracer
 
-from jls._blocks import _cut, _read
 from jls._compat import tracked_in, varying_axes
 from jls._finite import counts
-from jls._hooks import Hook, LossScalingState, StepInfo
 from jls._shards import global_rows
 from jls._tree import find_all, plain
 from jls._validate import integer
+from jls.hooks._blocks import _cut, _read
+from jls.hooks._hooks import Hook, LossScalingState, StepInfo
 
 
 class StagnationState(NamedTuple):

@@ -4,11 +4,11 @@
 was called with) on the same arguments, binding each primitive again with
 its operands cast by three rules:
 
-- a matmul (`jls._primitives.CAST`: ``dot_general``, convolutions,
+- a matmul (`jls.precision._primitives.CAST`: ``dot_general``, convolutions,
   ``ragged_dot_general``) gets its floating operands in the compute dtype,
   and its output follows (a ``preferred_element_type`` that only restated
   the operands' dtype is dropped; one that asked for more is kept);
-- an op that needs range or precision (`jls._primitives.FLOAT32`: ``exp``,
+- an op that needs range or precision (`jls.precision._primitives.FLOAT32`: ``exp``,
   ``log``, sums, squares...) gets its floating operands in float32 at least;
 - every other op takes its operands as they come, and where the program
   traced them in one dtype and they now differ (a float16 matmul output
@@ -42,7 +42,7 @@ from jax.extend import core as jcore
 from jax.extend import source_info_util
 
 from jls._compat import bind
-from jls._primitives import CAST, FLOAT32
+from jls.precision._primitives import CAST, FLOAT32
 
 _F32 = np.dtype(np.float32)
 

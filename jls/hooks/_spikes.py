@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jls._hooks import Hook, StepInfo
 from jls._tree import plain
 from jls._validate import F32_MAX, integer, positive_f32, real
+from jls.hooks._hooks import Hook, StepInfo
 
 _WATCHED = ("norm", "loss", "both")
 _ACTIONS = ("skip", "clip")
@@ -285,7 +285,7 @@ def is_spike(
 
     An outlier once ``warmup`` applied steps fed the statistics. A
     non-finite norm is the finite check's business and a non-finite loss the
-    `jls._nonfinite_loss` hook's (it skips the step and holds the scale),
+    `jls.hooks._nonfinite_loss` hook's (it skips the step and holds the scale),
     not spikes, unless the check found the gradients finite (``finite``):
     then their norm passed the float32 maximum, and that is a spike.
     ``state`` is `sanitized` first.

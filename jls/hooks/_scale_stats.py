@@ -45,11 +45,11 @@ from jax import lax
 
 from jls._compat import tracked_in, varying_axes
 from jls._finite import inexact_leaves, is_complex, one_reduction_is_safe
-from jls._hooks import Hook, HookContext, StepInfo
 from jls._scaling import compute_dtype
 from jls._shards import global_rows
 from jls._tree import plain
 from jls._validate import integer
+from jls.hooks._hooks import Hook, HookContext, StepInfo
 
 
 class ScaleStatsState(NamedTuple):

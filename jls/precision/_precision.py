@@ -9,7 +9,7 @@ nested program (``jit``, ``scan``, ``while``, ``cond``, ``remat``,
 ``custom_jvp``/``custom_vjp``; ``vmap`` is already applied in the trace),
 and counts the matmul-like operations (every dot and convolution primitive
 jax has: ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``,
-the fused and scaled ones; `jls._primitives.MATMULS`) by the dtype they
+the fused and scaled ones; `jls.precision._primitives.MATMULS`) by the dtype they
 compute in, with the source line of each. Beside them it counts the ops
 that need range or precision (softmax, ``exp``, ``log``, sums: the list
 `jls.precision.autocast` keeps in float32) by dtype, so a report shows the float32
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from jls._primitives import COLLECTIVES, FLOAT32, MATMULS
+from jls.precision._primitives import COLLECTIVES, FLOAT32, MATMULS
 
 # Low-precision numerics worth knowing about (information, not errors): the
 # ops autocast would compute in float32, found in float16 or bfloat16.

@@ -8,7 +8,7 @@ per op instead, as torch's ``autocast`` does: it traces the function once
 (``jax.make_jaxpr``, in the dtypes it is called with) and runs the traced
 program again with matmuls and convolutions in the compute dtype, softmax,
 ``exp``/``log``, sums and means, norms and the loss in float32, and every
-other op in the dtype its operands bring (`jls._cast_eval` has the rules).
+other op in the dtype its operands bring (`jls.precision._cast_eval` has the rules).
 Nested ``jit``, ``scan``, ``while``, ``cond`` and ``checkpoint`` programs
 follow the same rules; ``custom_jvp``/``custom_vjp`` functions run as
 written. The result has the structure and dtypes ``fn`` returns, and
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jls._cast_eval import evaluate
+from jls.precision._cast_eval import evaluate
 
 
 def floating_dtype(name: str, dtype: Any) -> np.dtype:

@@ -23,21 +23,21 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jls._diagnostics import Diagnostics, DiagnosticsState, nonfinite_paths
-from jls._divergence import (
+from jls.hooks._diagnostics import Diagnostics, DiagnosticsState, nonfinite_paths
+from jls.hooks._divergence import (
     DIVERGENCE_LIMIT,
     Divergence,
     DivergenceError,
     DivergenceState,
     raise_if_diverged,
 )
-from jls._hooks import Hook, HookContext, StepInfo
-from jls._nonfinite_loss import NonfiniteLoss, NonfiniteLossState
-from jls._norm import GradientNorm, GradientNormState
-from jls._replicas import ReplicaCheck, ReplicaCheckState
-from jls._scale_stats import ScaleStats, ScaleStatsState
-from jls._spikes import SpikeRule, SpikeState
-from jls._stagnation import (
+from jls.hooks._hooks import Hook, HookContext, StepInfo
+from jls.hooks._nonfinite_loss import NonfiniteLoss, NonfiniteLossState
+from jls.hooks._norm import GradientNorm, GradientNormState
+from jls.hooks._replicas import ReplicaCheck, ReplicaCheckState
+from jls.hooks._scale_stats import ScaleStats, ScaleStatsState
+from jls.hooks._spikes import SpikeRule, SpikeState
+from jls.hooks._stagnation import (
     Stagnation,
     StagnationState,
     StagnationWarning,

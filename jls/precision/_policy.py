@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jls._autocast import autocast, floating_dtype, is_nnx_module
+from jls.precision._autocast import autocast, floating_dtype, is_nnx_module
 
 T = TypeVar("T")
 
