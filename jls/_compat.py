@@ -11,16 +11,20 @@ is tested on the floor and on the newest jax (CI runs the suite on both).
   ``check_vma=True``; not ``check_vma=False``, ``pmap`` or a named ``vmap``):
   no public flag says so, so it is probed: a value marked varying over a
   bound axis records that axis only where jax tracks them.
-* A weakly typed result: no public function makes one from an array; the
-  private one is used where it exists (without it a weakly typed state
-  would become strong on the first step and retrace it once).
+* A weakly typed array: no jax function makes one from an array by name;
+  ``lax.full_like`` of a Python scalar makes its fill value weakly typed,
+  and mapped over ``x`` (``jax.vmap``) that is one ``convert_element_type``
+  of ``x`` to its own dtype, weakly typed, on every jax.
+
+jaxprs are read and run again in `jls.precision` only (its ``_interpret``).
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -58,7 +62,7 @@ def tracks_varying_axes(axes: tuple[str, ...]) -> bool:
     if not axes:
         return False
     try:
-        probe = pvary(jax.numpy.zeros((), jax.numpy.int32), axes[:1])
+        probe = pvary(jnp.zeros((), jnp.int32), axes[:1])
     except (ValueError, NameError, TypeError, AssertionError):  # no shard_map
         return False
     return bool(varying_axes(probe))
@@ -71,24 +75,27 @@ def tracked_in(values: Any, axes: tuple[str, ...]) -> bool:
 
 
 def weakly_typed(x: jax.Array) -> jax.Array:
-    """``x`` as a weakly typed array of its dtype (``lax.cond`` joins to one)."""
-    try:
-        from jax._src.lax.lax import _convert_element_type
-    except ImportError:  # pragma: no cover - a jax without it: one retrace
-        return x
-    return cast(jax.Array, _convert_element_type(x, weak_type=True))
+    """``x`` as a weakly typed array of its dtype (``lax.cond`` joins to one).
 
-
-def bind(eqn: Any, invals: Any, params: dict | None = None) -> list:
-    """One equation of a jaxpr bound again on ``invals``: its outputs, a list.
-
-    As jax's own evaluation binds an equation: ``get_bind_params`` turns a
-    program parameter into the function ``bind`` takes (jax 0.8 returns it
-    apart, 0.9 on inside the parameters). ``params``: the equation's own
-    if not given.
+    A weakly typed state leaf selected against a strong new value would come
+    back strong, and the step would be traced again with the new types. Only
+    the dtypes a Python scalar takes (float32, int32, complex64; their 64-bit
+    kin under x64) can be made weak this way; ``x`` of another dtype comes
+    back as it is (jax makes no weak float16 itself), and such a state is
+    traced once more on its first step.
     """
-    bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *invals, **bound)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    kind = next((k for d, k in _KINDS if jnp.issubdtype(x.dtype, d)), None)
+    if kind is None or jnp.result_type(kind(0)) != x.dtype:
+        return x
+
+    def weak(value: Any) -> Any:
+        # full_like takes its dtype and weak type from the scalar, its value
+        # from ``value``: a convert_element_type(weak_type=True) of ``value``.
+        return lax.full_like(kind(0), value)
+
+    for _ in range(x.ndim):
+        weak = jax.vmap(weak)
+    return weak(x)
+
+
+_KINDS = ((jnp.complexfloating, complex), (jnp.floating, float), (jnp.integer, int))

@@ -35,8 +35,8 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
-from jls._compat import bind
 from jls._cond import retyped, select
+from jls.precision._interpret import bind
 
 
 def substituted(

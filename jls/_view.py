@@ -35,8 +35,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex
 
-from jls._compat import bind
 from jls.hooks._hooks import Hook
+from jls.precision._interpret import bind
 
 # Primitives that map entries to entries (each output entry depends only on
 # the same entry of each operand, scalars broadcast): a view commutes with them.

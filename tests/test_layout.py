@@ -9,6 +9,8 @@ has a test file of its own name (``tests/test_<module>.py``, integrations in
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -49,7 +51,7 @@ LAYERS = [
     ["jls._transformation"],
     ["jls._loss_scaling"],
     ["jls._set_scale", "jls._checkpoint", "jls._step"],
-    ["jls.precision._primitives"],
+    ["jls.precision._primitives", "jls.precision._interpret"],
     ["jls.precision._cast_eval"],
     ["jls.precision._autocast"],
     ["jls.precision._policy", "jls.precision._precision"],
@@ -153,3 +155,115 @@ def test_every_module_has_its_test_file(name):
     path = _test_file(name)
     assert path.exists(), f"{name} has no {path.relative_to(ROOT)}"
     assert "def test_" in path.read_text()
+
+
+# The one jaxpr interpreter (``docs/design.md``): what reads programs lives in
+# jls.precision, ``jax.extend`` is imported by its _interpret only, and
+# nothing imports ``jax._src``; so a jax change that breaks reading programs
+# breaks autocast and the precision report, not the loss scaling.
+INTERPRETER = "jls.precision._interpret"
+
+
+def _jax_imports(path: pathlib.Path) -> set[str]:
+    """The ``jax.extend``/``jax._src`` modules ``path`` imports or reaches."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Attribute) and node.attr in ("_src", "extend"):
+            out.add(f"{ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # importlib.import_module("jax._src...")
+            if node.value.startswith(("jax._src", "jax.extend")):
+                out.add(node.value)
+    return {n for n in out if n.startswith(("jax._src", "jax.extend"))}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_jax_extend_is_read_by_the_interpreter_only_and_jax_src_by_none(name):
+    found = _jax_imports(MODULES[name])
+    assert not {n for n in found if n.startswith("jax._src")}, (name, found)
+    if name != INTERPRETER:
+        assert not found, f"{name} imports {sorted(found)}: only {INTERPRETER} may"
+
+
+def test_only_jls_itself_imports_the_precision_namespace():
+    outside = {
+        name: {m for m in _imports(path) if m.startswith("jls.precision")}
+        for name, path in MODULES.items()
+        if not name.startswith("jls.precision") and name != "jls"
+    }
+    assert not {n: m for n, m in outside.items() if m}
+
+
+def test_the_optimizers_do_without_the_interpreter():
+    graph = {name: _imports(path) for name, path in MODULES.items()}
+
+    def reach(name: str) -> set[str]:
+        seen, todo = set(), [name]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    for name in ("jls.precision._compensated", "jls.precision._scaled_state"):
+        assert INTERPRETER not in reach(name), name
+
+
+def test_import_jls_reads_no_program_until_autocast_or_the_report_is_reached():
+    # jls.precision imports the interpreter (and jax.extend) when autocast,
+    # Policy or precision_report is first reached.
+    code = (
+        "import sys, jls\n"
+        "jls.loss_scaling, jls.precision.compensated, jls.precision.scaled_state\n"
+        "def read(): return sorted(m for m in sys.modules if m.startswith("
+        "('jax.extend', 'jls.precision._interpret')))\n"
+        "print(read()); jls.precision.autocast; print(bool(read()))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert run.stdout.split() == ["[]", "True"], run.stderr[-2000:]
+
+
+def _functions(predicate) -> list[str]:
+    """``module.function`` of every function whose body satisfies ``predicate``."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if predicate(node):
+                    found.append(f"{name}.{node.name}")
+    return sorted(found)
+
+
+def _calls(node: ast.AST, attr: str) -> bool:
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == attr
+        for n in ast.walk(node)
+    )
+
+
+def _is_array_check(node: ast.FunctionDef) -> bool:
+    """A predicate ``return isinstance(x, (jax.Array, ...))`` (a docstring aside)."""
+    body = [n for n in node.body if not isinstance(n, ast.Expr)]
+    if len(body) != 1 or not isinstance(body[0], ast.Return):
+        return False
+    value = body[0].value
+    return (
+        isinstance(value, ast.Call)
+        and getattr(value.func, "id", None) == "isinstance"
+        and "jax.Array" in ast.unparse(value)
+    )
+
+
+def test_one_trace_one_array_check_and_one_bind():
+    assert _functions(lambda f: _calls(f, "make_jaxpr")) == [f"{INTERPRETER}.trace"]
+    assert _functions(lambda f: _calls(f, "get_bind_params")) == [f"{INTERPRETER}.bind"]
+    checks = [f for f in _functions(_is_array_check) if f.startswith("jls.precision.")]
+    assert checks == [f"{INTERPRETER}.is_array"]

@@ -17,11 +17,16 @@ Example:
   {'float16': 1}
 """
 
-from jls.precision._autocast import autocast
+import importlib
+from typing import TYPE_CHECKING
+
 from jls.precision._compensated import compensated, stochastic_rounding
-from jls.precision._policy import Policy, get_policy
-from jls.precision._precision import PrecisionReport, precision_report
 from jls.precision._scaled_state import ScaledState, scaled_state
+
+if TYPE_CHECKING:
+    from jls.precision._autocast import autocast
+    from jls.precision._policy import Policy, get_policy
+    from jls.precision._precision import PrecisionReport, precision_report
 
 __all__ = [
     "Policy",
@@ -34,3 +39,20 @@ __all__ = [
     "scaled_state",
     "stochastic_rounding",
 ]
+
+# What reads jaxprs (``jax.extend``) is imported when first reached, so
+# ``import jls`` and the optimizers above do without it.
+_INTERPRETING = {
+    "autocast": "_autocast",
+    "Policy": "_policy",
+    "get_policy": "_policy",
+    "PrecisionReport": "_precision",
+    "precision_report": "_precision",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _INTERPRETING:
+        module = importlib.import_module(f"jls.precision.{_INTERPRETING[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'jls.precision' has no attribute {name!r}")

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jls.precision._cast_eval import evaluate
+from jls.precision._interpret import trace
 
 
 def floating_dtype(name: str, dtype: Any) -> np.dtype:
@@ -53,10 +54,6 @@ def is_nnx_module(x: Any) -> bool:
     """Whether ``x`` is a flax nnx Module (flax imported or not)."""
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Module)
-
-
-def _is_traced(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., Any]:
@@ -110,36 +107,16 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
 
 
 def _autocast_call(fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    traced = [_is_traced(x) for x in leaves]
-    returned: list[Any] = []
-
-    def flat(*arrays: Any) -> list:
-        it = iter(arrays)
-        full = [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
-        a, k = jax.tree.unflatten(treedef, full)
-        out_leaves, out_def = jax.tree.flatten(fn(*a, **k))
-        arrays_out = [isinstance(x, jax.Array) for x in out_leaves]
-        static = [None if t else x for x, t in zip(out_leaves, arrays_out, strict=True)]
-        returned.append((static, out_def, arrays_out))
-        return [x for x, t in zip(out_leaves, arrays_out, strict=True) if t]
-
-    # numpy arrays as jax sees them (float64 read as float32 without x64).
-    arrays = [jnp.asarray(x) for x, t in zip(leaves, traced, strict=True) if t]
-    closed = jax.make_jaxpr(flat)(*arrays)
-    static, out_def, arrays_out = returned[0]
+    traced = trace(fn, args, kwargs)
+    outs = evaluate(traced.closed, traced.arrays, dtype)
     # Each result in the dtype fn returns it in (a constant result comes back
     # from the program as a Python scalar).
-    results = iter(
+    return traced.rebuild(
         x
         if isinstance(x, jax.Array) and x.dtype == v.aval.dtype
         else jax.lax.convert_element_type(x, v.aval.dtype)
-        for x, v in zip(
-            evaluate(closed, arrays, dtype), closed.jaxpr.outvars, strict=True
-        )
+        for x, v in zip(outs, traced.closed.jaxpr.outvars, strict=True)
     )
-    out = [next(results) if t else x for x, t in zip(static, arrays_out, strict=True)]
-    return jax.tree.unflatten(out_def, out)
 
 
 class _Slot:

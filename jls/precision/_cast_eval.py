@@ -38,10 +38,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
-from jax.extend import source_info_util
 
-from jls._compat import bind
+from jls.precision._interpret import (
+    as_closed,
+    bind,
+    is_literal,
+    is_program,
+    located,
+    read,
+)
 from jls.precision._primitives import CAST, FLOAT32
 
 _F32 = np.dtype(np.float32)
@@ -58,27 +63,23 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
     env.update(zip(jaxpr.invars, args, strict=True))
     # Drop each value after its last use (an eager call holds no more than
     # jax's own evaluation would).
-    last = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if _is_var(v)}
-    outputs = {v for v in jaxpr.outvars if _is_var(v)}
+    last = {
+        v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if not is_literal(v)
+    }
+    outputs = {v for v in jaxpr.outvars if not is_literal(v)}
     for i, eqn in enumerate(jaxpr.eqns):
-        invals = [v.val if isinstance(v, jcore.Literal) else env[v] for v in eqn.invars]
-        info = eqn.source_info
-        names = source_info_util.current_name_stack() + info.name_stack
-        with source_info_util.user_context(info.traceback, name_stack=names):
+        invals = [read(v, env) for v in eqn.invars]
+        with located(eqn):
             outs = _apply(eqn, invals, dtype)
         env.update(zip(eqn.outvars, outs, strict=True))
         for v in eqn.invars:
-            if _is_var(v) and last.get(v) == i and v not in outputs:
+            if not is_literal(v) and last.get(v) == i and v not in outputs:
                 env.pop(v, None)
-    return [v.val if isinstance(v, jcore.Literal) else env[v] for v in jaxpr.outvars]
-
-
-def _is_var(v: Any) -> bool:
-    return not isinstance(v, jcore.Literal)
+    return [read(v, env) for v in jaxpr.outvars]
 
 
 def _is_weak(v: Any) -> bool:
-    return isinstance(v, jcore.Literal) or v.aval.weak_type
+    return is_literal(v) or v.aval.weak_type
 
 
 def _floating(dtype: Any) -> bool:
@@ -129,7 +130,7 @@ def _holds_program(value: Any) -> bool:
     """Whether a parameter is a program, a function or a typed result."""
     if isinstance(value, (tuple, list)):
         return any(_holds_program(v) for v in value)
-    if isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr)) or callable(value):
+    if is_program(value) or callable(value):
         return True
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
@@ -184,9 +185,10 @@ def _jit(eqn: Any, invals: list, dtype: Any) -> list:
 
 def _checkpoint(eqn: Any, invals: list, dtype: Any) -> list:
     p = eqn.params
-    closed = jcore.ClosedJaxpr(p["jaxpr"], ())
     fn = jax.checkpoint(
-        _run(closed, dtype), prevent_cse=p["prevent_cse"], policy=p["policy"]
+        _run(as_closed(p["jaxpr"]), dtype),
+        prevent_cse=p["prevent_cse"],
+        policy=p["policy"],
     )
     return list(fn(*invals))
 

@@ -27,11 +27,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
 
+from jls.precision._interpret import is_literal, trace
 from jls.precision._primitives import COLLECTIVES, FLOAT32, MATMULS
 
 # Low-precision numerics worth knowing about (information, not errors): the
@@ -132,25 +131,6 @@ class PrecisionReport:
         return "\n".join(rows)
 
 
-def _is_traceable(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """The closed jaxpr of ``fn(*args, **kwargs)``, arrays traced, rest static."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    mask = [_is_traceable(x) for x in leaves]
-
-    def flat(*arrays: Any) -> Any:
-        it = iter(arrays)
-        full = [next(it) if m else x for x, m in zip(leaves, mask, strict=True)]
-        a, k = jax.tree.unflatten(treedef, full)
-        # Only the arrays of the result (a whole model may come back).
-        return [x for x in jax.tree.leaves(fn(*a, **k)) if isinstance(x, jax.Array)]
-
-    return jax.make_jaxpr(flat)(*[x for x, m in zip(leaves, mask, strict=True) if m])
-
-
 def _subjaxprs(value: Any) -> Iterator[Any]:
     if hasattr(value, "eqns"):
         yield value
@@ -200,7 +180,7 @@ def _after_reduce_max(eqn: Any, producers: dict[Any, Any], depth: int = 6) -> bo
     todo = [(v, depth) for v in eqn.invars]
     while todo:
         var, left = todo.pop()
-        if isinstance(var, Literal):  # a constant (unhashable on jax 0.8)
+        if is_literal(var):  # a constant (unhashable on jax 0.8)
             continue
         source = producers.get(var)
         if source is None or left == 0:
@@ -230,12 +210,12 @@ def _live(jaxpr: Any) -> set[int]:
     An unused one, which differentiation leaves behind, never runs: XLA
     removes it.
     """
-    used = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    used = {v for v in jaxpr.outvars if not is_literal(v)}
     alive: set[int] = set()
     for eqn in reversed(jaxpr.eqns):
         if eqn.effects or any(v in used for v in eqn.outvars):
             alive.add(id(eqn))
-            used.update(v for v in eqn.invars if not isinstance(v, Literal))
+            used.update(v for v in eqn.invars if not is_literal(v))
     return alive
 
 
@@ -321,9 +301,8 @@ def precision_report(
       >>> jls.precision.precision_report(closed, x).counts
       {'float32': 1}
     """
-    jaxpr = _trace(fn, args, kwargs)
     found = _Found([], [], Counter(), [])
-    _walk(jaxpr.jaxpr, found)
+    _walk(trace(fn, args, kwargs).closed.jaxpr, found)
     numerics: dict[str, dict[str, int]] = {}
     for (kind, dtype), n in sorted(found.numerics.items()):
         numerics.setdefault(kind, {})[dtype] = n

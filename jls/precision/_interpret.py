@@ -1,0 +1,124 @@
+"""The one place jls reads and re-runs jaxprs: what `autocast` and the report share.
+
+`jls.precision.autocast` traces a function and runs its program again with
+other dtypes; `jls.precision.precision_report` traces it and walks the
+program. Both trace through `trace`, take the same leaves as arrays
+(`is_array`), and every equation run again is bound by `bind`. Reading a
+program needs ``jax.extend`` (its ``Literal``, ``Jaxpr`` and source
+information); jls imports ``jax.extend`` here only, and ``jls.precision``
+imports this module only when `autocast`, `Policy` or `precision_report`
+is first reached, so a change to ``jax.extend`` breaks those features and
+not the loss scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.extend import source_info_util
+
+
+def is_array(x: Any) -> bool:
+    """Whether a leaf of the arguments is traced (an array) or passed as it is."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class Traced(NamedTuple):
+    """A function traced once on its arguments' arrays.
+
+    Attributes:
+      closed: the program (a ``ClosedJaxpr``), taking ``arrays``, returning
+        the arrays of the result.
+      arrays: the arguments' arrays, as jax reads them (a float64 numpy
+        array is float32 without x64).
+      rebuild: the result's structure: ``rebuild(outs)`` puts the program's
+        outputs ``outs`` back among the result's other leaves.
+    """
+
+    closed: Any
+    arrays: list
+    rebuild: Callable[[Any], Any]
+
+
+def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Traced:
+    """``fn(*args, **kwargs)`` traced: its array leaves traced, the rest static.
+
+    Args and results are whole pytrees (a model, a flax variables dict);
+    a leaf that is no array (a function, a number, a Module's static
+    field) is passed into ``fn`` as it is, and a result leaf that is no
+    ``jax.Array`` comes back in ``rebuild`` as ``fn`` returned it.
+    """
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    traced = [is_array(x) for x in leaves]
+    returned: list[Any] = []
+
+    def flat(*arrays: Any) -> list:
+        it = iter(arrays)
+        full = [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
+        a, k = jax.tree.unflatten(treedef, full)
+        out_leaves, out_def = jax.tree.flatten(fn(*a, **k))
+        out_arrays = [isinstance(x, jax.Array) for x in out_leaves]
+        static = [None if t else x for x, t in zip(out_leaves, out_arrays, strict=True)]
+        returned.append((static, out_def, out_arrays))
+        return [x for x, t in zip(out_leaves, out_arrays, strict=True) if t]
+
+    arrays = [jnp.asarray(x) for x, t in zip(leaves, traced, strict=True) if t]
+    closed = jax.make_jaxpr(flat)(*arrays)
+    static, out_def, out_arrays = returned[0]
+
+    def rebuild(outs: Any) -> Any:
+        it = iter(outs)
+        full = [next(it) if t else x for x, t in zip(static, out_arrays, strict=True)]
+        return jax.tree.unflatten(out_def, full)
+
+    return Traced(closed, arrays, rebuild)
+
+
+def is_literal(v: Any) -> bool:
+    """Whether an equation's operand is a constant inlined into the program."""
+    return isinstance(v, jcore.Literal)
+
+
+def read(v: Any, env: dict) -> Any:
+    """An operand's value: a literal's own, a variable's from ``env``."""
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def is_program(value: Any) -> bool:
+    """Whether an equation's parameter is a program (a ``Jaxpr``, closed or not)."""
+    return isinstance(value, (jcore.Jaxpr, jcore.ClosedJaxpr))
+
+
+def as_closed(jaxpr: Any) -> Any:
+    """An open ``Jaxpr`` (a ``checkpoint``'s) as a ``ClosedJaxpr`` of no constants."""
+    return jcore.ClosedJaxpr(jaxpr, ())
+
+
+@contextlib.contextmanager
+def located(eqn: Any) -> Iterator[None]:
+    """Binds inside this get ``eqn``'s source line and name stack."""
+    info = eqn.source_info
+    names = source_info_util.current_name_stack() + info.name_stack
+    with source_info_util.user_context(info.traceback, name_stack=names):
+        yield
+
+
+def bind(eqn: Any, invals: Any, params: dict | None = None) -> list:
+    """One equation of a jaxpr bound again on ``invals``: its outputs, a list.
+
+    As jax's own evaluation binds an equation: ``get_bind_params`` turns a
+    program parameter into the function ``bind`` takes (jax 0.8 returns it
+    apart, 0.9 on inside the parameters). ``params``: the equation's own if
+    not given.
+    """
+    bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bound)
+    return list(out) if eqn.primitive.multiple_results else [out]
