@@ -19,9 +19,9 @@ exponent gaps). Kahan's lost part is at most half of the new parameter's
 spacing, so it is stored relative to that spacing, to 16 bits (int16) or 8
 (int8): a bfloat16 parameter with an int16 buffer holds its sum to 24
 bits, as finely as a float32 copy would at every step size, for the 2
-bytes a bfloat16 buffer would cost. (A buffer in the parameter's dtype,
-the design this replaced, cannot add a step below its own last place to
-itself: in bfloat16 it lost every step below about ``|p| * 2**-17``.) The
+bytes a bfloat16 buffer would cost. (A buffer in the parameter's dtype
+cannot add a step below its own last place to itself: in bfloat16 it
+loses every step below about ``|p| * 2**-17``.) The
 lost part is computed in float32: exact while ``p`` and ``new`` are within
 about 13 binary orders of each other (float32's 24 bits against float16's
 11). The work is elementwise and XLA fuses it into the optimizer's update.
@@ -143,10 +143,10 @@ def _kahan(p: Any, u: Any, k: Any, buffer: Any) -> tuple[Any, Any]:
     the rest (of the other sign), so steps too small to pass the half one
     at a time still carry it over (at most a unit is lost there).
 
-    ``k`` may arrive in another dtype than ``buffer``: a jls 0.3
-    checkpoint's buffer in the parameter's own dtype (the lost part itself),
-    or a count of the other width; its value is carried over and the
-    returned buffer is ``buffer``'s.
+    ``k`` may arrive in another dtype than ``buffer``: a checkpoint's buffer
+    in the parameter's own dtype (the lost part itself), or a count of the
+    other width; its value is carried over and the returned buffer is
+    ``buffer``'s.
     """
     if not _floating(p) or u is None:
         return u, k
@@ -155,7 +155,7 @@ def _kahan(p: Any, u: Any, k: Any, buffer: Any) -> tuple[Any, Any]:
     bits = np.dtype(buffer).itemsize * 8
     top = np.asarray(2.0 ** (bits - 1) - 1, wide)
     p_wide = p.astype(wide)
-    if jnp.issubdtype(k.dtype, jnp.inexact):  # jls 0.3: the lost part itself
+    if jnp.issubdtype(k.dtype, jnp.inexact):  # the lost part itself
         held = jnp.where(jnp.isfinite(k), k, 0).astype(wide)
     else:
         held = _buffer_value(k, p_wide, p.dtype, wide)

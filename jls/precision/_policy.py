@@ -11,10 +11,10 @@ as it is.
 
 `Policy.wrap` casts per op (`jls.precision.autocast`): matmuls in the compute dtype,
 softmax, ``exp``/``log``, sums and the loss in float32, the results in the
-output dtype. `Policy.cast_arguments` is the older, jmp-style wrapper that
-casts the arguments only, so every op inside runs in the compute dtype, the
-loss's log-softmax and mean included: on a float16 MLP trained to a small
-loss, the loss it reports is off by most of its value.
+output dtype. `Policy.cast_arguments` is jmp's wrapper, which casts the
+arguments only, so every op inside runs in the compute dtype, the loss's
+log-softmax and mean included: on a float16 MLP trained to a small loss,
+the loss it reports is off by most of its value.
 
 The ``cast_to_*`` methods refuse a flax nnx Module: casting it builds a copy,
 and its forward pass would then update the copy's BatchNorm statistics,
