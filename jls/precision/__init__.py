@@ -54,5 +54,10 @@ _INTERPRETING = {
 def __getattr__(name: str) -> object:
     if name in _INTERPRETING:
         module = importlib.import_module(f"jls.precision.{_INTERPRETING[name]}")
-        return getattr(module, name)
+        value = globals()[name] = getattr(module, name)
+        return value
     raise AttributeError(f"module 'jls.precision' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
