@@ -191,7 +191,7 @@ def public_names(root: pathlib.Path) -> int | str:
         check=False,
     )
     if run.returncode:
-        return "import failed"
+        return f"import failed ({run.stderr.strip().splitlines()[-1]})"
     out = json.loads(run.stdout.strip().splitlines()[-1])
     if not pathlib.Path(out["file"]).resolve().is_relative_to(root.resolve()):
         return f"imported {out['file']}, not this checkout"
