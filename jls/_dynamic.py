@@ -106,13 +106,7 @@ class DynamicScale(LossScaler):
         return self.growth_factor != 1 or self.backoff_factor != 1
 
     def init(self) -> LossScaleState:
-        """Returns the state before the first step (see `jls.LossScaler.init`).
-
-        Example:
-          >>> import jls
-          >>> jls.dynamic_scale(init_scale=1024).init().scale
-          Array(1024., dtype=float32)
-        """
+        """Returns the state before the first step (see `jls.LossScaler.init`)."""
         count = self.init_growth_count
         return make_state(self.init_scale, growth_count=0 if count is None else count)
 
