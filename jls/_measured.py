@@ -242,7 +242,7 @@ def measured_scale(
       >>> scaler = jls.measured_scale(margin=2.0**10, init_scale=2.0**15)
       >>> state = scaler.init()
       >>> # The scaled gradients' largest RMS is 2**-3 at 2**15: the target
-      >>> # (2**24) is far above, but the scale grows at most 2x per step.
+      >>> # (2**24) is far above, but the scale grows by max_growth (2) at most.
       >>> state = scaler.adjust(state, True, magnitude=jnp.float32(2.0**-3))
       >>> float(state.scale) == 2.0**16
       True
