@@ -149,10 +149,10 @@ def measure(root: pathlib.Path) -> dict:
             rerun.append(name)
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                length = node.end_lineno - node.lineno + 1
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
                 functions.append((length, f"{name}.{node.name}"))
         for doc in docstring_nodes(tree):
-            span = range(doc.lineno, doc.end_lineno + 1)
+            span = range(doc.lineno, (doc.end_lineno or doc.lineno) + 1)
             doc_lines += len(span)
             for number in span:
                 line = source[number - 1]
@@ -232,7 +232,7 @@ def table(numbers: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     here = pathlib.Path(__file__).resolve().parents[1]
     parser.add_argument("--root", type=pathlib.Path, default=here)
     parser.add_argument(
