@@ -79,13 +79,7 @@ def set_loss_scale(
         if not isinstance(new.scale, Tracer):
             positive_f32("scale.scale", new.scale)
         return _replaced(opt_state, new)
-    if not isinstance(scale, (Tracer, int, float, np.generic, np.ndarray)) and not (
-        hasattr(scale, "dtype") and hasattr(scale, "shape")
-    ):
-        raise TypeError(
-            "scale must be a real number, a real scalar array or a "
-            f"jls.LossScaleState, got {type(scale).__name__}: {scale!r:.200}"
-        )
+    _check_scale_type(scale)
     old = loss_scale_state(opt_state)
     new_scale = _checked_scale(scale, old, scaler)
     if reset_counters:
@@ -98,6 +92,16 @@ def set_loss_scale(
     else:
         new = old._replace(scale=new_scale)
     return _replaced(opt_state, new)
+
+
+def _check_scale_type(scale: Any) -> None:
+    if not isinstance(scale, (Tracer, int, float, np.generic, np.ndarray)) and not (
+        hasattr(scale, "dtype") and hasattr(scale, "shape")
+    ):
+        raise TypeError(
+            "scale must be a real number, a real scalar array or a "
+            f"jls.LossScaleState, got {type(scale).__name__}: {scale!r:.200}"
+        )
 
 
 def _checked_scale(scale: Any, old: LossScaleState, scaler: LossScaler | None) -> Any:
