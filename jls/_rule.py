@@ -115,11 +115,6 @@ class LossScaler:
         Returns:
           A `LossScaleState` with ``scale == init_scale`` (as float32) and all
           counters at their start.
-
-        Example:
-          >>> import jls
-          >>> jls.dynamic_scale(init_scale=1024).init().scale
-          Array(1024., dtype=float32)
         """
         return make_state(self.init_scale)
 

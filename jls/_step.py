@@ -1,21 +1,14 @@
 """`train_step`: a loss function and a `loss_scaling` transformation, one call.
 
 A pure function ``(params, opt_state, *batch) -> (params, opt_state,
-StepOutput)`` to wrap in ``jit`` (with donation). It scales the loss,
-differentiates, checks once, and applies the fused update
-(`jls.LossScaling.apply_gradients`). Options:
-
-* ``max_retries``: on overflow, back off and recompute the gradients inside
-  the same call (a bounded ``lax.while_loop``). A retry is an attempt, not a
-  step: the scale rule advances as for a non-finite step, the skip counters
-  count the step once, and a retry the rule would not lower the scale for is
-  not made.
-* ``accumulation_steps``: micro-batches accumulated in float32 under one
-  scale (``lax.scan``), each pre-multiplied by ``2**-e`` (the power of two at
-  or below ``1 / k``) so the accumulator overflows only where the mean does;
-  one check and skip per effective batch (docs/howto/accumulation.md).
-* ``average_over``: data parallelism under ``pmap`` or ``shard_map``:
-  gradients and loss averaged over the named axes before the check.
+StepOutput)`` to wrap in ``jit``: it scales the loss, differentiates, checks
+once and applies the fused update. Retries (`_retried`) recompute an
+overflowed step's gradients at the backed-off scale in the same call; they
+are attempts, not steps. Accumulation (`_accumulate`) adds micro-batches in
+float32 under one scale, each pre-multiplied by a power of two at or below
+``1 / k``, so the accumulator overflows only where the mean does
+(docs/howto/accumulation.md). Averaging over ``pmap``/``shard_map`` axes
+comes before the check (`jls._average`).
 """
 
 from __future__ import annotations
