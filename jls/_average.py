@@ -1,35 +1,14 @@
 """Data-parallel averaging that gives the single-device step on every mesh.
 
-``jls.train_step(..., average_over=axes)`` wants the gradient of the mean,
-over ``axes``, of each replica's loss on its shard of the batch: the
-full-batch gradient one device would compute. How jax delivers gradients
-depends on the mesh, and a plain ``lax.pmean`` of them is right in only some
-layouts:
-
-* ``pmap``, a named ``vmap``, ``shard_map(check_vma=False)``: each replica's
-  gradients are its own; their mean is wanted.
-* ``shard_map`` with its default ``check_vma=True``: jax sums the gradient
-  of a parameter that is invariant over an axis (replicated, ``P()``) over
-  that axis, where a varying loss meets it; ``lax.pmean`` of the sum leaves
-  the sum (N times the mean). A parameter sharded over an axis (FSDP, whose
-  ``all_gather`` transposes to a ``psum_scatter``) has its gradient summed
-  over it by the model's own collectives.
-
-So, where jax records varying axes, the parameters invariant over an axis
-of ``axes`` are first marked varying over it (`local`): their gradients are
-then each replica's own, accumulated over micro-batches without a
-collective, and averaged once (`mean`); those already varying over it come
-back summed, and are divided by the axis size. Elsewhere every gradient is
-a replica's own and is averaged. The mean adds in float32 at least (a
-float16 sum of replicas overflows where their mean does not) and divides
-once; the loss is averaged the same way.
-
-Where jax records no varying axes, a parameter sharded over an averaged
-axis cannot be told from a replicated one: its gradient, already summed by
-the model's collectives, would be averaged with other shards. Such layouts
-(FSDP, tensor parallelism over an averaged axis) need ``check_vma=True``,
-or ``jit`` over sharded arrays, where the gradients are global and
-``average_over`` is not used.
+``jls.train_step(..., average_over=axes)`` wants the full-batch gradient one
+device would compute. Under ``shard_map(check_vma=True)`` jax already sums
+the gradient of a parameter invariant over an axis, so a plain ``lax.pmean``
+would leave the sum: `local` first marks such parameters varying, so each
+replica's gradients are its own, and `mean` averages them once (in float32
+at least), dividing those that come back summed by the axis size. Where jax
+records no varying axes (``pmap``, ``check_vma=False``), every gradient is a
+replica's own; a parameter sharded over an averaged axis then needs
+``check_vma=True`` or ``jit``. docs/parallelism.md has the table of meshes.
 """
 
 from __future__ import annotations

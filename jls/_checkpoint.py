@@ -1,14 +1,10 @@
 """Restoring checkpoints saved by an older jls, whose states had fewer fields.
 
-jls adds fields to its states (``LossScaleState.headroom`` in 0.2, the spike
-rule's ``consecutive_spikes`` in 0.3) and moved the optional features' states
-into ``hooks`` in 0.3, so a checkpoint saved before cannot be
-restored onto a ``tx.init(params)`` target as it is: orbax and
-``flax.serialization`` find a structure mismatch. `upgrade_state` maps what a
-checkpoint holds onto the target's structure, and fills the fields jls added
-since with their values in the target (the state a fresh run starts from).
-Only jls's own fields may be missing: anything else that does not match is
-an error naming the path, never a silent default.
+A checkpoint whose jls states lack fields added since (``headroom``,
+``consecutive_spikes``) or keep hook states in their older places does not
+restore onto a ``tx.init(params)`` target as it is. `upgrade_state` maps it
+onto the target's structure and fills only jls's own missing fields from the
+target; any other mismatch is an error naming the path.
 """
 
 from __future__ import annotations
@@ -99,16 +95,13 @@ def _leaf_paths(tree: Any) -> set[str]:
 def upgrade_state(restored: Any, target: Any) -> Any:
     """``restored`` in ``target``'s structure, with jls's newer fields filled.
 
-    Restore an old checkpoint without a target (orbax:
-    ``ocp.StandardCheckpointer().restore(path)``, which gives nested dicts
-    and lists; or ``flax.serialization.to_state_dict``'s dicts), then give
-    that raw tree and the structure you want (``{"params": params,
-    "opt_state": tx.init(params)}``, as you saved it) to this function.
-    Every leaf of ``target`` is taken from ``restored`` by its key path
-    (a NamedTuple's fields by name, sequences by position); a field of a
-    jls state that the checkpoint does not have (one jls added since it was
-    written) takes ``target``'s value, which for a fresh ``tx.init`` is the
-    value a new run starts with (``headroom`` 1, no spikes in a row).
+    Restore an old checkpoint without a target (orbax's
+    ``StandardCheckpointer().restore(path)``, or
+    ``flax.serialization.to_state_dict``), then pass that raw tree and the
+    structure you saved (``{"params": params, "opt_state": tx.init(params)}``).
+    Every leaf of ``target`` is taken from ``restored`` by its key path; a
+    jls state field the checkpoint lacks takes ``target``'s value (for a
+    fresh ``tx.init``, the value a new run starts with).
 
     Args:
       restored: the checkpoint's tree, as restored without a target.
@@ -127,7 +120,7 @@ def upgrade_state(restored: Any, target: Any) -> Any:
       >>> import jax.numpy as jnp, optax, jls
       >>> tx = jls.loss_scaling(optax.sgd(0.1))
       >>> target = tx.init({"w": jnp.zeros(2)})
-      >>> old = {  # a jls 0.1 checkpoint, restored without a target
+      >>> old = {  # saved before `headroom`, restored without a target
       ...     "loss_scale": {"scale": jnp.float32(512.0), "growth_count": 7,
       ...                    "backoff_count": 0, "consecutive_skips": 0,
       ...                    "total_skips": 3, "consecutive_nonfinite": 0,
@@ -142,43 +135,10 @@ def upgrade_state(restored: Any, target: Any) -> Any:
     """
     owned = _owned_prefixes(target)
     used: set[str] = set()
-
-    def pick(path: tuple[Any, ...], default: Any) -> Any:
-        node, walked, renamed = restored, [], False
-        for depth, key in enumerate(path):
-            moved = _moved_0_3(path, depth, node)
-            if moved is not None:  # a 0.3 hook state, now a NamedTuple's field
-                for old in moved:
-                    node = _child(node, jax.tree_util.DictKey(old))
-                    walked.append(jax.tree_util.DictKey(old))
-                continue
-            child = _child(node, key)
-            if renamed:  # an old layout: the hook's state in a field of its own
-                old = _OLD_FIELDS.get(str(getattr(key, "key", "")), "")
-                key = jax.tree_util.DictKey(old)
-                child = _child(node, key)
-                renamed = False
-            elif child is _MISSING and getattr(key, "name", None) == "hooks":
-                renamed = True
-                continue
-            if child is _MISSING:
-                if any(path[: len(p)] == p for p in owned):
-                    return default
-                raise KeyError(
-                    "the checkpoint has no value at "
-                    f"{jax.tree_util.keystr(path)}: restored and target differ "
-                    "beyond the fields jls added (another model or optimizer?)"
-                )
-            node = child
-            walked.append(key)
-        used.add(_normalised(jax.tree_util.keystr(tuple(walked))))
-        if isinstance(default, (jax.Array, np.ndarray, np.generic)):
-            return np.asarray(node, dtype=default.dtype).reshape(default.shape)
-        return node
-
     paths, treedef = jax.tree_util.tree_flatten_with_path(target)
     upgraded = jax.tree_util.tree_unflatten(
-        treedef, [pick(tuple(path), leaf) for path, leaf in paths]
+        treedef,
+        [_pick(restored, owned, used, tuple(path), leaf) for path, leaf in paths],
     )
     extra = _restored_paths(restored) - used
     if extra:
@@ -189,12 +149,51 @@ def upgrade_state(restored: Any, target: Any) -> Any:
     return jax.tree.map(lambda x: jax.numpy.asarray(x), upgraded)
 
 
-def _moved_0_3(path: tuple[Any, ...], depth: int, node: Any) -> tuple | None:
-    """The 0.3 sub-path of a 0.4 hook state's field at ``path[depth]``, if moved.
+def _pick(restored: Any, owned, used: set[str], path: tuple, default: Any) -> Any:
+    """The leaf of ``restored`` at ``target``'s ``path``, found in any layout.
+
+    ``default`` (``target``'s leaf) when the path is under one of jls's own
+    states (``owned``); adds the path it read to ``used``.
+    """
+    node, walked, renamed = restored, [], False
+    for depth, key in enumerate(path):
+        moved = _moved_hook_field(path, depth, node)
+        if moved is not None:  # a hook state that was bare, now a field
+            for old in moved:
+                node = _child(node, jax.tree_util.DictKey(old))
+                walked.append(jax.tree_util.DictKey(old))
+            continue
+        child = _child(node, key)
+        if renamed:  # an old layout: the hook's state in a field of its own
+            old = _OLD_FIELDS.get(str(getattr(key, "key", "")), "")
+            key = jax.tree_util.DictKey(old)
+            child = _child(node, key)
+            renamed = False
+        elif child is _MISSING and getattr(key, "name", None) == "hooks":
+            renamed = True
+            continue
+        if child is _MISSING:
+            if any(path[: len(p)] == p for p in owned):
+                return default
+            raise KeyError(
+                "the checkpoint has no value at "
+                f"{jax.tree_util.keystr(path)}: restored and target differ "
+                "beyond the fields jls added (another model or optimizer?)"
+            )
+        node = child
+        walked.append(key)
+    used.add(_normalised(jax.tree_util.keystr(tuple(walked))))
+    if isinstance(default, (jax.Array, np.ndarray, np.generic)):
+        return np.asarray(node, dtype=default.dtype).reshape(default.shape)
+    return node
+
+
+def _moved_hook_field(path: tuple[Any, ...], depth: int, node: Any) -> tuple | None:
+    """The older sub-path of a hook state's field at ``path[depth]``, if moved.
 
     ``path[depth]`` names a field of hook ``path[depth - 1]``'s state, and
     ``node`` (the restored value there) has no such field: the checkpoint
-    keeps that hook's state as 0.3 did.
+    keeps that hook's state as a bare value or dict (the older layout).
     """
     if depth < 2 or getattr(path[depth - 2], "name", None) != "hooks":
         return None

@@ -1,34 +1,16 @@
 """Compositions that hide jls from its caller: refused at trace time, by path.
 
-`jls.loss_scaling` must see every gradient first and decide for every
-parameter: everything that reads or changes gradients goes inside it. Any
-transformation whose state holds jls's state runs around it instead, and then
-quietly does the wrong thing: a transformation chained before it clips (or
-normalises) the loss-scaled gradients, one beside it in a partition steps
-its parameters with them, a mask passes them through as updates,
-``optax.MultiSteps`` accumulates them and is poisoned for good by one nan
-micro-batch. What jls can see is where its state sits: every lookup of it
-(`jls.scale_loss`, `jls.metrics`, `jls.loss_scale_state`, ...) walks the path
-from the state the user passed down to jls's, and `check_path` judges each
-container on the way:
-
-* a plain container (the user's dict, tuple or NamedTuple of ``params`` and
-  ``opt_state``, flax's ``TrainState``, ``nnx`` states) passes;
-* the known-safe wrappers pass: ``optax.inject_hyperparams`` (it hands every
-  gradient to jls unchanged) and ``optax.MultiSteps`` with a
-  ``should_skip_update_fn`` (it drops a non-finite micro-batch itself);
-* ``optax.chain`` and ``optax.named_chain`` (a tuple or mapping of
-  transformation states beside jls's), ``optax.masked``,
-  ``optax.multi_transform``/``optax.partition``, ``optax.MultiSteps``
-  without a skip function and ``optax.apply_if_finite`` are refused, each
-  with what goes wrong and the fix;
-* any other transformation state (a NamedTuple defined in optax or jls, or
-  one whose field holding jls's state is named ``inner...``, as wrappers name
-  it) is warned about, naming the fix: it cannot be told safe.
-
-``optax.masked`` and ``multi_transform`` also show in the tree jls itself
-is given: masked-out leaves are ``optax.MaskedNode``, which `check_not_masked`
-refuses in ``init`` and ``update`` even when no lookup walks the path.
+`jls.loss_scaling` must see every gradient first; a transformation whose
+state holds jls's state runs around it and quietly does the wrong thing
+(clips scaled gradients, steps other parameters with them, accumulates a
+nan for good). Every lookup of jls's state walks the path to it, and
+`check_path` judges each container: plain containers and the known-safe
+wrappers (``optax.inject_hyperparams``, ``optax.MultiSteps`` with a
+``should_skip_update_fn``) pass; chains, masks, partitions, plain
+``MultiSteps`` and ``apply_if_finite`` are refused, naming the fix; any other
+transformation state is warned about. `check_not_masked` refuses the
+``optax.MaskedNode`` leaves of a mask or partition. docs/howto/composing.md
+lists each case.
 """
 
 from __future__ import annotations

@@ -20,11 +20,8 @@ In pseudo-code (Micikevicius et al., 2018)::
             # with hysteresis the count stays: every further non-finite step
             # backs off again until the scale next grows
 
-A static scaler is the same rule with both factors 1 (`jls._static`). Other
-frameworks' variants are configuration of
-this rule (`jls.presets`), never separate code paths. The defaults are
-`DynamicScale`'s field defaults, written once; `dynamic_scale`'s signature
-refers to them.
+A static scaler is this rule with both factors 1; other frameworks' variants
+are configuration of it (`jls.presets`), never separate code paths.
 
 References:
   Micikevicius et al., "Mixed Precision Training", ICLR 2018.
@@ -109,13 +106,7 @@ class DynamicScale(LossScaler):
         return self.growth_factor != 1 or self.backoff_factor != 1
 
     def init(self) -> LossScaleState:
-        """Returns the state before the first step (see `jls.LossScaler.init`).
-
-        Example:
-          >>> import jls
-          >>> jls.dynamic_scale(init_scale=1024).init().scale
-          Array(1024., dtype=float32)
-        """
+        """Returns the state before the first step (see `jls.LossScaler.init`)."""
         count = self.init_growth_count
         return make_state(self.init_scale, growth_count=0 if count is None else count)
 
@@ -267,12 +258,8 @@ def dynamic_scale(
 ) -> LossScaler:
     """The dynamic loss-scale rule: grow while finite, back off on overflow.
 
-    The knobs past the first five express other frameworks' rules as
-    configuration of this one; `jls.presets` sets them for each framework.
-
     Args:
-      init_scale: the first step's scale. Must lie in ``[min_scale,
-        max_scale]``.
+      init_scale: the first step's scale, in ``[min_scale, max_scale]``.
       growth_factor: multiplies the scale on growth; ``>= 1``.
       backoff_factor: multiplies the scale on back-off; in ``(0, 1]``.
         Default 0.5.
@@ -280,38 +267,30 @@ def dynamic_scale(
         a non-finite step restarts the count.
       first_growth_interval: the first growth after the start or after a
         non-finite step comes on this many consecutive finite steps, later
-        ones every ``growth_interval`` (DeepSpeed, nnabla).
-        ``>= growth_interval``; default ``growth_interval``.
-      init_growth_count: the growth count before the first step (to resume a
-        run). Default: a fresh count.
+        ones every ``growth_interval`` (DeepSpeed, nnabla). Default and
+        minimum ``growth_interval``.
+      init_growth_count: the growth count before the first step (to resume).
       saturate_growth: a growth that would exceed ``max_scale`` lands on
         ``max_scale`` instead of being skipped (flax).
       backoff_divisor: back off by dividing the scale by this (``>= 1``)
         instead of multiplying by ``backoff_factor`` (Keras, TensorFlow, jmp,
-        DeepSpeed, nnabla); in float32, ``x / 3`` and ``x * (1 / 3)``
-        differ. Give at most one of the two.
+        DeepSpeed, nnabla; ``x / 3 != x * (1 / 3)`` in float32). Not both.
       backoff_interval: back off once every this many consecutive non-finite
         steps; a finite step clears the count (Paddle). 1 (default) backs off
         on every non-finite step.
       hysteresis: the first ``hysteresis - 1`` non-finite steps since the
         last growth are tolerated (skipped without backing off); from then on
         every non-finite step backs off until the scale next grows (Megatron,
-        DeepSpeed). At most one of ``backoff_interval`` and ``hysteresis``
-        may exceed 1.
+        DeepSpeed). Not with ``backoff_interval > 1``.
       consecutive_hysteresis: any finite step (not only a growth) restores
         the hysteresis (DeepSpeed).
-      min_scale: the floor; back-off never goes below it, so the scale never
-        reaches 0. May be below 1 (every scale in ``[min_scale, max_scale]``
-        is handled without false negatives).
-      max_scale: the ceiling; a growth that would exceed it is not taken, so
-        the scale never reaches inf. Default 2**126, the largest power of two
-        whose reciprocal is a normal float32: up to it one multiplication
-        unscales exactly. A larger ``max_scale`` (up to the float32 maximum,
-        as the presets of peers without a cap use) unscales with two
-        factors, exactly too, at a small compile-time cost.
-      skip_nonfinite: drop a step whose gradients are not finite (default).
-        ``False`` applies it anyway; the step then counts in
-        ``consecutive_nonfinite`` but not as a skip.
+      min_scale: the floor of back-off (may be below 1), so the scale never
+        reaches 0.
+      max_scale: the ceiling of growth, so the scale never reaches inf.
+        Default 2**126, the largest power of two whose reciprocal is a normal
+        float32 (one exact multiplication unscales); above it, two factors.
+      skip_nonfinite: drop a step whose gradients are not finite (default);
+        ``False`` applies it, counted in ``consecutive_nonfinite``, not skips.
 
     Returns:
       A `LossScaler`.
@@ -330,19 +309,4 @@ def dynamic_scale(
       ...
       ValueError: backoff_factor must be in (0, 1], got 2.0
     """
-    return DynamicScale(
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,  # pyright: ignore[reportArgumentType]
-        growth_interval=growth_interval,
-        first_growth_interval=first_growth_interval,
-        init_growth_count=init_growth_count,
-        saturate_growth=saturate_growth,
-        backoff_divisor=backoff_divisor,
-        backoff_interval=backoff_interval,
-        hysteresis=hysteresis,
-        consecutive_hysteresis=consecutive_hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        skip_nonfinite=skip_nonfinite,
-    )
+    return DynamicScale(**locals())  # the arguments are the fields, by name

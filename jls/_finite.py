@@ -1,55 +1,25 @@
 """The all-finite check: one pass over the gradients, exact, at memory speed.
 
-Design (chosen by measurement: ``benchmarks/bench_all_finite.py`` re-runs it,
-``docs/performance.md`` has the figures):
+``benchmarks/bench_all_finite.py`` measures each choice; docs/guarantees.md
+states what it promises.
 
-* For float32, bfloat16, float64 and complex leaves the check is a sum of magnitudes per
-  leaf (``sum(|x| * 2**-k)``, see below; accumulated in float32, or in the leaf's own
-  dtype when wider) followed by one ``isfinite`` of the total. Called alone it runs at
-  about a plain sum's speed, and inside a train step XLA fuses it with work it does
-  anyway; ``jnp.isfinite(x).all()``, any select and an integer reduction over the bits
-  all cost several times more (they do not vectorise). ``jnp.max`` is never used: on
-  XLA:CPU it drops nan on large arrays.
-* Why magnitudes, and not the plain sum (jls 0.1): the gradient is usually produced in
-  the same ``jit``, and the compiler fuses its producer into the reduction. With a plain
-  sum, ``sum(a * c)`` may be contracted into ``fma(a, c, acc)`` or factored into ``c *
-  sum(a)``, so the sum sees the unrounded products while the stored gradient holds their
-  rounded inf, and cancellation against other elements hides it. ``abs`` sits between
-  the producer and the addition (nothing left to contract), and no term can cancel
-  another: every rewrite of ``sum(|x|)`` that is exact in real arithmetic is at least
-  ``|x_i|`` for every element, and float rounding is monotone, so an element that rounds
-  to inf makes the sum inf whatever the compiler does. An inf or nan element makes its
-  leaf's sum inf or nan, and that survives every further addition.
-* The magnitudes are multiplied by a power of two, ``2**-k`` with ``2**k >= 256 *
-  leaf_size``, before they are summed, so a sum of finite values cannot overflow: every
-  term is at most ``float32_max / (256 * size)``, and even the worst-case rounding of
-  ``size`` additions (a factor ``1 + size * 2**-24``, at most 129 for ``size < 2**31``)
-  keeps the total finite. The check therefore has no false positives and no false
-  negatives without a second, exact pass (the design before 0.2 confirmed a non-finite
-  total with a per-leaf ``isfinite`` pass inside a ``lax.cond``, which added about 30%
-  to the compile time of the README's LM). The multiplication is exact except where it
-  flushes a tiny magnitude to zero, which cannot change finiteness; it is not factored
-  out of the sum (``tests/test_finite.py`` checks a leaf of near-maximal values).
-* Leaves of one size get different powers, ``2**-(k + j)`` for the ``j``-th of
-  them (`TWINS` apart at most): any power at least ``2**-k`` keeps the promise, and
-  a shared constant made XLA:CPU's CSE share one broadcast of it, which its YNN
-  reduction fusions then read as an array beside each leaf instead of a
-  scalar. On the char LM's donated step that cost 1.39x plain Adam where
-  distinct powers cost 1.02x (``benchmarks/probe_char_check.py --donate``).
-* Leaves of at most ``SMALL_LEAF`` elements (biases, norm scales) are checked
-  together, one reduction per compute dtype over their concatenation: each
-  reduction is a kernel XLA compiles, and on the README's LM 63 of the 101
-  leaves are small. They are concatenated before the magnitude is taken, so
-  the magnitude is one kernel, not one per leaf (a small gradient is often
-  the output of a reduction that nothing else fuses into). A concatenation is
-  a temporary copy, so each holds at most ``SMALL_GROUP`` elements. Large leaves keep
-  a reduction of their own, fused with the gradient's producer, at the
-  bandwidth floor. (Adding large leaves of one shape elementwise into one
-  reduction cuts the kernels further, but compiled no faster on the LM: the
-  fusion with many operands costs what the kernels it saves cost.)
-* float16, fp8 and fp4 leaves use ``jnp.isfinite(x).all()`` directly: it reads each
-  rounded element (nothing to contract), and on XLA:CPU converting them to float32 costs
-  2-5x more than testing them in their own format.
+* float32, bfloat16, float64 and complex leaves: one ``isfinite`` of
+  ``sum(|x| * 2**-k)`` (in float32, or the leaf's dtype when wider). A plain
+  sum can be fooled by the compiler (a fused producer contracted into an FMA
+  or a factored scalar sees unrounded products, and terms cancel); magnitudes
+  cannot cancel and rounding is monotone, so an element that rounds to inf
+  makes the sum inf. ``jnp.max`` is never used (XLA:CPU drops nan from it).
+* ``2**k >= 256 * leaf_size``: a sum of finite values cannot overflow, even
+  with the worst rounding of ``size`` additions, so the check is exact
+  without a second pass. Leaves of one size get distinct powers
+  ``2**-(k + j)`` (`TWINS` apart at most): XLA:CPU shared one constant's
+  broadcast between them and read it as an array.
+* Leaves of at most `SMALL_LEAF` elements share one reduction per compute
+  dtype (each reduction is a kernel to compile), over a concatenation of at
+  most `SMALL_GROUP` elements (a temporary copy). Large leaves keep their
+  own, fused with the gradient's producer.
+* float16, fp8 and fp4 leaves: ``jnp.isfinite(x).all()`` in their own format
+  (cheaper than converting them).
 
 Integer, bool and float0 leaves and ``None`` are ignored; an empty tree is
 finite.
@@ -76,9 +46,7 @@ def runs(parts: list[Any]) -> list[list[Any]]:
     """``parts`` (small leaves) as the runs that share a reduction.
 
     The first `SMALL_GROUP` elements share one; each part past that has its
-    own. A concatenation is a temporary copy, so sharing is capped: on a model
-    of thousands of small leaves one concatenation held a copy of every
-    gradient, where plain Adam holds none (``benchmarks/bench_sweep.py``).
+    own, so no concatenation copies more than that.
     """
     shared: list[Any] = []
     own: list[list[Any]] = []
@@ -183,8 +151,7 @@ def _shrunk_sum(
     """``sum(|x| * 2**-k)`` over ``parts`` in ``dtype``, ``2**k >= 256 * size``.
 
     ``k`` is the least such power plus ``twin`` (the leaf's rank among those
-    of its size, see the module notes). Several parts are cast and
-    concatenated first, so that the magnitude and the shrink are one kernel.
+    of its size). Several parts are concatenated first: one kernel.
     """
     exponent = (size - 1).bit_length() + 8 + twin % TWINS
     shrink = jnp.asarray(2.0**-exponent, dtype)
@@ -198,11 +165,8 @@ def _shrunk_sum(
 def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
     """Exact finiteness of a list of inexact arrays, in one pass.
 
-    Each large leaf has a reduction of its own (it runs at the bandwidth
-    floor, fused with the gradient's producer); the small ones (biases, norm
-    scales: at most `SMALL_LEAF` elements) are checked together, in one
-    reduction per compute dtype, because each reduction is a kernel XLA
-    compiles: on the README's LM this removes 63 of 101.
+    Each large leaf has a reduction of its own; the small ones (at most
+    `SMALL_LEAF` elements) share one per compute dtype (see the module notes).
     """
     flags = []
     small: dict[Any, list[jax.Array]] = {}
@@ -232,9 +196,8 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
 def all_finite(tree: Any) -> jax.Array:
     """Whether every floating (or complex) leaf of ``tree`` is finite.
 
-    One reduction over the tree, exact (no false positives, no false
-    negatives) and at memory speed on the finite path; see the module notes
-    for how. Works inside ``jit``, ``vmap``, ``pmap`` and ``shard_map``.
+    Exact (no false positives, no false negatives), one pass over the tree.
+    Works inside ``jit``, ``vmap``, ``pmap`` and ``shard_map``.
 
     Args:
       tree: any pytree. float16, bfloat16, float32, float64, complex and fp8
@@ -273,14 +236,10 @@ def unscaled_finite(
 ) -> jax.Array:
     """Whether ``unscale(grads)`` is all finite, reading the scaled gradients.
 
-    For a scale >= 1 unscaling cannot overflow (``|x / scale| <= |x|``) and
-    inf/nan stay inf/nan, so the scaled gradients are finite exactly when
-    the unscaled ones are: the fast check runs on them directly, and the
-    unscaling is left to the optimizer's fused update. Only a scaler whose
-    ``min_scale`` is below 1 can reach a scale < 1; while it is there the
-    check tests the unscaled values themselves (computed inside the check,
-    never stored), so a finite scaled gradient that overflows when unscaled
-    is caught.
+    For a scale >= 1 unscaling cannot overflow, so the scaled gradients are
+    finite exactly when the unscaled ones are, and are checked directly.
+    Below 1 (only with ``min_scale < 1``) the check tests the unscaled
+    values, computed inside it and never stored.
     """
     leaves = inexact_leaves(grads)
     if not scale_may_be_below_one:

@@ -1,33 +1,13 @@
 """The measured rule: the scale read off the gradients' range.
 
-The dynamic rule finds its scale by overflowing: it grows blindly every
-``growth_interval`` steps and learns it went too far by losing a step. This
-rule reads the scale off the gradients instead. The finite check reads every
-gradient once anyway; with this rule it is a sum of squares (`jls._squares`),
-which also gives each reduction's root-mean-square at no extra memory
-traffic. After a finite step the next scale is the largest power of two at
-which the largest of those root-mean-squares stays ``margin * headroom``
-below the compute dtype's maximum, and at most ``max_growth`` times the
-current scale: so it follows the gradients down at once, without a skipped
-step, and up by at most ``max_growth`` per step.
-
-Design choices, with their evidence (``benchmarks/bench_scalers.py``,
-``benchmarks/probe_activation_range.py``; the README quotes both):
-
-* The statistic is the RMS, not the max ``|g|``: on XLA:CPU a max reduction
-  costs about 12x a sum, and the RMS comes free from the sum of squares.
-* The gradients jls sees are the parameters'; an overflow in the backward
-  pass happens in activation gradients, whose range the margin must cover.
-  So the dynamic rule's fallback stays: a non-finite step backs off, and the
-  first overflow of a run of them doubles ``headroom`` (a field of the
-  state); every ``history`` finite steps halve it again, down to 1. An
-  absolute ceiling set by an overflow was tried and rejected: an early
-  overflow pinned the demo at 2**17 for the whole run.
-* Scales and headroom are powers of two, so unscaling is exact: every number
-  that makes or moves one must be a power of two, the cap is the largest
-  power of two at most ``max_scale``, and a scale that is not one (set by
-  hand, or from a checkpoint) is out of range: its step is dropped and the
-  next scale is a power of two.
+The dynamic rule finds its scale by overflowing; this rule reads it off the
+gradients. The finite check is then a sum of squares (`jls._squares`), which
+also gives each reduction's root-mean-square (RMS) at no extra memory traffic
+(a max reduction would cost more). Overflows in the backward pass happen in
+activation gradients, which the parameters' RMS does not see: so a
+non-finite step still backs off, and doubles the state's ``headroom``. Scales
+and headroom are powers of two, so unscaling is exact. The evidence for each
+choice is in docs/scalers.md and ``benchmarks/bench_scalers.py``.
 """
 
 from __future__ import annotations
@@ -224,28 +204,19 @@ def measured_scale(
     After a finite step the next scale is the largest power of two at which
     the scaled gradients' largest root-mean-square (over the check's
     reductions) stays ``margin * headroom`` below ``dtype``'s maximum, and
-    at most ``max_growth`` times the current scale; it follows the gradients
-    down at once, without a skipped step. A non-finite step is skipped (by
-    default) and backs off by ``backoff_factor``; the first overflow of a
-    run also doubles the state's ``headroom``, which ``history`` finite steps
-    halve again. The design and its evidence are in `jls._measured`.
-
-    With this scaler `jls.loss_scaling`'s check is the sum-of-squares check,
-    which never reports finite gradients non-finite, however large. Scales
-    and the headroom are always powers of two, so unscaling is exact:
-    ``init_scale``, ``min_scale``, ``max_growth`` and ``backoff_factor``
-    must be powers of two, the cap is the largest power of two at most
-    ``max_scale``, and a scale that is not one (set by hand, or from a
-    checkpoint) is treated as out of range: its step is dropped and the next
-    scale is a power of two.
+    at most ``max_growth`` times the current scale: it follows the gradients
+    down at once, without a skipped step. A non-finite step backs off by
+    ``backoff_factor``, and the first overflow of a run doubles the state's
+    ``headroom``, which ``history`` finite steps halve again. The check is
+    then the sum-of-squares check, which never reports finite gradients
+    non-finite. A scale that is not a power of two (set by hand) is out of
+    range: its step is dropped.
 
     Args:
       margin: the headroom, ``>= 1``, between the scaled gradients' largest
-        root-mean-square and ``dtype``'s maximum. The default, 2**8, was
-        chosen from ``benchmarks/bench_scalers.py``'s evidence (see the
-        README's table): the only margin tried that skipped no step after
-        warm-up on the demo, the LM and the stress case (its sudden jump
-        aside) with underflow below the tuned dynamic rule's on all three.
+        root-mean-square and ``dtype``'s maximum. The default, 2**8, is the
+        only margin ``benchmarks/bench_scalers.py`` tried that skipped no
+        step after warm-up on all its runs.
       history: finite steps after which the headroom an overflow added is
         halved again.
       dtype: the compute dtype whose maximum the scaled gradients are kept
@@ -271,7 +242,7 @@ def measured_scale(
       >>> scaler = jls.measured_scale(margin=2.0**10, init_scale=2.0**15)
       >>> state = scaler.init()
       >>> # The scaled gradients' largest RMS is 2**-3 at 2**15: the target
-      >>> # (2**24) is far above, but the scale grows at most 2x per step.
+      >>> # (2**24) is far above, but the scale grows by max_growth (2) at most.
       >>> state = scaler.adjust(state, True, magnitude=jnp.float32(2.0**-3))
       >>> float(state.scale) == 2.0**16
       True
@@ -279,14 +250,4 @@ def measured_scale(
       >>> float(state.scale) == 2.0**15, float(state.headroom)
       (True, 2.0)
     """
-    return MeasuredScale(
-        margin=margin,
-        history=history,
-        dtype=dtype,
-        init_scale=init_scale,
-        max_growth=max_growth,
-        backoff_factor=backoff_factor,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        skip_nonfinite=skip_nonfinite,
-    )
+    return MeasuredScale(**locals())  # the arguments are the fields, by name

@@ -1,29 +1,14 @@
 """The off switch: ``jls.no_scale(skip_nonfinite=False)`` is the plain optimizer.
 
-One training script serves every precision when its float32 and bfloat16
-runs can keep the same ``TrainState`` and step: ``jls.loss_scaling(tx,
-jls.no_scale(skip_nonfinite=False))`` is ``tx`` itself. A scaler that never
-scales and never skips needs no check and no conditional, so the step is
-the inner optimizer's own update (and, on the fused path, its
-``optax.apply_updates``): bitwise the plain step, at its cost
-(``benchmarks/bench_step.py``'s ``jls_off`` variant; ``tests/test_off.py``
-compares the two compiled programs). A non-finite gradient is applied, as
-the plain optimizer applies it; the state reports scale 1 and no skips.
-
-The gradients are not unscaled: the state's scale is 1. A state restored
-from a scaled float16 run holds another scale, which ``jls.scale_loss``
-applies to that first step's loss; restore such a state with the scale set
-to 1 (``jls.set_loss_scale(opt_state, 1.0)``). The step resets it to 1
-either way. (Dividing by the state's scale, even through a select that
-passes scale-1 gradients through, changes how XLA fuses Adam's update and
-the last bits of its moments: the step would no longer be the plain one.)
-
-Only the default hooks may be present: the divergence flag (nothing skips,
-so it never fires) and the non-finite loss hook, which here only records
-whether a loss given as ``loss=`` was finite (one scalar, so the metrics have
-the same keys as in every other setting). Any other hook (diagnostics, the
-gradient norm, a spike rule, the scale statistics, a user's veto) needs the
-check, and the step takes the usual path.
+A scaler that never scales and never skips needs no check and no
+conditional: the step is the inner optimizer's own update (and
+``optax.apply_updates``), bitwise the plain step (``tests/test_off.py``
+compares the compiled programs), so one script serves every precision. The
+gradients are not unscaled (dividing, even by 1 behind a select, changes how
+XLA fuses the update): restore a scaled run's state with
+``jls.set_loss_scale(opt_state, 1.0)``, or its first loss is scaled. Only the
+default hooks may be present (the divergence flag and the non-finite loss
+record); any other needs the check, and takes the usual path.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """`LossScaler`: what every loss-scale rule is, and what they all share.
 
 A rule is an immutable, hashable configuration (a frozen dataclass, validated
-when made and again by ``dataclasses.replace``), closed over by the step and
-never stored in the state, so it cannot be lost through ``jit`` or a
-checkpoint. Its pure methods are the whole state machine: `LossScaler.init`
-and `LossScaler.adjust` (the public pair, jittable and vmappable), and
-`LossScaler.retry` for `jls.train_step`'s retries.
-
-Each rule lives in a module of its own (`jls._dynamic`, `jls._measured`) and
-writes only ``_next``: the next scale, growth and back-off counts and
-headroom. This base class does what they share: the input checks, the range
-(a scale outside ``[min_scale, max_scale]`` is never trusted), and the skip
-counters, which saturate.
+when made), closed over by the step and never stored in the state. Its pure
+methods are the whole state machine. Each rule (`jls._dynamic`,
+`jls._measured`) writes only ``_next``; this base class does what they
+share: input checks, the range, and the saturating skip counters.
 """
 
 from __future__ import annotations
@@ -62,19 +55,6 @@ class LossScaler:
       min_scale: the scale never backs off below this.
       max_scale: the scale never grows above this.
       skip_nonfinite: whether a step with non-finite gradients is dropped.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.dynamic_scale(2.0**10, growth_interval=2)
-      >>> isinstance(scaler, jls.LossScaler), scaler.growth_interval
-      (True, 2)
-      >>> state = scaler.init()
-      >>> for finite in (True, True, False):
-      ...     state = scaler.adjust(state, finite)
-      ...     print(float(state.scale))
-      1024.0
-      2048.0
-      1024.0
     """
 
     init_scale: float
@@ -114,12 +94,9 @@ class LossScaler:
     def in_range(self, scale: jax.Array) -> jax.Array:
         """Whether ``scale`` lies in ``[min_scale, max_scale]`` (False for nan).
 
-        A state can arrive from a checkpoint, `jls.set_loss_scale` or a
-        user's hand with any scale. A step whose scale is out of range is
-        treated as a non-finite step whatever its gradients (always dropped,
-        even with ``skip_nonfinite=False``), and `adjust` brings the scale
-        back into range, so a scale that the check was not designed for is
-        never used to unscale an applied update.
+        A step whose scale is out of range (from a checkpoint or
+        `jls.set_loss_scale`) is treated as non-finite and always dropped;
+        `adjust` brings the scale back into range.
         """
         f32 = jnp.float32
         return (scale >= f32(self.min_scale_f32)) & (scale <= f32(self.max_scale_f32))
@@ -138,11 +115,6 @@ class LossScaler:
         Returns:
           A `LossScaleState` with ``scale == init_scale`` (as float32) and all
           counters at their start.
-
-        Example:
-          >>> import jls
-          >>> jls.dynamic_scale(init_scale=1024).init().scale
-          Array(1024., dtype=float32)
         """
         return make_state(self.init_scale)
 
@@ -163,17 +135,13 @@ class LossScaler:
           state: the current `LossScaleState`.
           grads_finite: a scalar bool, whether this step's gradients were all
             finite.
-          applied: a scalar bool, whether the step's update was applied; it
-            drives the skip counters. Default: derived here (the step is
-            applied when the gradients are finite, or with
-            ``skip_nonfinite=False`` when the scale is in range).
-            `jls.loss_scaling` passes the decision it took, reduced across
-            replicas, so the counters say what happened.
-          magnitude: a float32 scalar, the measurement the measured rule
-            follows: the largest root-mean-square of the step's scaled
-            gradients over the check's reductions (`jls.loss_scaling` passes
-            it). Ignored by the dynamic rule; without it the measured rule
-            holds the scale on a finite step.
+          applied: a scalar bool, whether the step's update was applied (it
+            drives the skip counters). Default: derived from
+            ``grads_finite``, ``skip_nonfinite`` and the range.
+          magnitude: a float32 scalar, the largest root-mean-square of the
+            step's scaled gradients, which the measured rule follows (without
+            it, it holds the scale on a finite step). Ignored by the dynamic
+            rule.
           retries: how many times this step's gradients were recomputed
             before this outcome (`retry`); recorded in the state. Default 0.
 

@@ -1,10 +1,8 @@
 """Scaling the loss and unscaling the gradients.
 
-`scale_loss` also tags the scale it hands out, per ``jit`` trace, so that the
-update can tell a loss scaled with another optimizer's state
-(`check_scaled_with`): two jls optimizers in one step (a GAN) that swap
-their states in ``scale_loss`` would otherwise unscale by the wrong scale,
-silently (with SGD the update comes out the ratio of the scales off).
+`scale_loss` also tags the scale it hands out, per trace, so that an update
+can warn when its loss was scaled with another optimizer's state
+(`check_scaled_with`: two jls optimizers with swapped states).
 """
 
 from __future__ import annotations
@@ -46,15 +44,12 @@ def _reciprocal(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``1 / scale`` as one factor, or two normal factors ``(a, b)``.
 
-    XLA flushes subnormals to zero, so the float32 reciprocal of a scale
-    above 2**126 would be 0. A scaler whose ``max_scale`` is at most
-    `SINGLE_FACTOR_MAX` never has such a scale (the scale is clamped into
-    range, and a step at an out-of-range scale is dropped), and unscales with
-    ``(a, None)``, one multiplication. Otherwise, above 2**64 the reciprocal
-    is taken as ``(2**64 / scale) * 2**-64``: the second factor is a power of
-    two, so ``(x * a) * b`` rounds exactly once, like ``x * (1 / scale)``,
-    and ``|x * a| <= |x|`` for every scale >= 1 (no intermediate overflow).
-    A float64 reciprocal of a float32 scale is always normal: one factor.
+    XLA flushes subnormals, so the float32 reciprocal of a scale above
+    2**126 would be 0. Without ``two_factor`` (``max_scale`` at most
+    `SINGLE_FACTOR_MAX`) it is ``(1 / scale, None)``. Otherwise above 2**64
+    it is ``(2**64 / scale, 2**-64)``: the second factor is a power of two,
+    so ``(x * a) * b`` rounds once, like ``x * (1 / scale)``, and never
+    overflows in between. float64 needs one factor.
     """
     scale = scale.astype(dtype)
     one = jnp.ones((), dtype)
@@ -72,10 +67,8 @@ Factors = dict[Any, tuple[jax.Array, jax.Array | None]]
 def reciprocals(scale: jax.Array, tree: Any, *, two_factor: bool = True) -> Factors:
     """The factors of ``1 / scale`` for every compute dtype of ``tree``'s leaves.
 
-    Computed once per step and shared by every leaf: per leaf they would be
-    traced, lowered and compiled once per leaf (and per fusion that reads
-    the leaf). ``two_factor=False`` promises that ``scale`` is at most
-    `SINGLE_FACTOR_MAX` (see `_reciprocal`).
+    Computed once per step and shared by every leaf (not compiled once per
+    leaf). ``two_factor=False`` promises ``scale <= SINGLE_FACTOR_MAX``.
     """
     factors = {}
     for leaf in jax.tree.leaves(tree):
@@ -94,10 +87,7 @@ def unscale_leaf(leaf: Any, factors: Factors, shrink: Any = None) -> Any:
 
     ``factors`` comes from `reciprocals` (empty: the scale is 1). ``shrink``,
     a float32 scalar in ``[0, 1]`` (a clipped spike's ``limit / norm``), is
-    multiplied into the last factor, so a shrink of 1 changes no bit. The
-    product stays a normal float32 unless ``scale / shrink`` passes 2**126
-    (with one factor) or ``shrink`` is below 2**-62 at a scale above 2**64
-    (with two); then the step's gradients flush to zero.
+    multiplied into the last factor, so a shrink of 1 changes no bit.
     Non-floating leaves (integers, bools, float0, None) pass through.
     """
     if leaf is None:
@@ -161,11 +151,9 @@ def _tag(scale: Any) -> None:
 def check_scaled_with(scale: Any, stacklevel: int) -> None:
     """Warns, at trace time, if this trace's losses were scaled by other states.
 
-    ``scale``: the state's scale, as an update reads it. When `scale_loss`
-    handed out scales in the same trace and ``scale`` is none of them, the
-    gradients this update unscales were scaled by another state's scale: in
-    a step with two jls optimizers, their states were swapped. (A loss
-    scaled outside the trace, or by hand, leaves nothing to compare.)
+    ``scale`` is the state's scale, as an update reads it; when `scale_loss`
+    handed out scales in this trace and ``scale`` is none of them, two jls
+    optimizers' states were swapped.
     """
     trace = _trace_of(scale)
     refs = _HANDED_OUT.get(trace) if trace is not None else None
@@ -193,11 +181,9 @@ def _is_state(x: Any) -> bool:
 def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
     """Multiplies the loss by the current loss scale, in float32.
 
-    Call it on the loss inside the function you differentiate; the gradients
-    come out multiplied by the scale, which is what `loss_scaling`'s
-    ``update`` expects. A float16 (or bfloat16, fp8) loss is upcast to
-    float32 first, so a scale above 65504 never overflows in the scaling
-    itself; a float64 loss stays float64.
+    Call it on the loss inside the function you differentiate: the gradients
+    come out scaled, as `loss_scaling`'s ``update`` expects. A narrower loss
+    is upcast to float32 first, so the scaling itself never overflows.
 
     Args:
       loss: a floating array (usually a scalar).
@@ -235,11 +221,9 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
 def _warn_varying(loss: jax.Array) -> None:
     """Warns, at trace time, of a loss whose gradients jax will sum over axes.
 
-    Under ``shard_map(check_vma=True)`` a loss that varies over an axis
-    (each replica's loss on its shard) has, with respect to a parameter
-    replicated over that axis, the gradient of the replicas' SUM: jax adds
-    the replicas' gradients itself, and a ``lax.pmean`` of the result leaves
-    the sum. Nothing later can tell that sum from a mean.
+    Under ``shard_map(check_vma=True)`` the gradient of a loss that varies
+    over an axis, for a parameter replicated over it, is the replicas' sum,
+    which nothing later can tell from a mean.
     """
     axes = tuple(sorted(varying_axes(loss)))
     if axes:
@@ -261,16 +245,11 @@ def _warn_varying(loss: jax.Array) -> None:
 def unscale(tree: Any, opt_state: Any) -> Any:
     """Divides every floating leaf by the loss scale, keeping its dtype.
 
-    The leaf is multiplied by the reciprocal of the scale, in at least
-    float32, and rounded to its own dtype: for the power-of-two scales of the
-    usual rules this is exactly a division, otherwise it may differ from one
-    in the last bit. (A division costs more: XLA will not duplicate it into
-    the several consumers of a gradient in a fused optimizer update, so it
-    materialises an extra copy of the gradients.) Scales above 2**126, whose
-    float32 reciprocal is subnormal, are handled without flushing to zero.
-    Integer, bool and float0 leaves and ``None`` pass through unchanged.
-    `loss_scaling` calls this for you; use it directly only in a hand-written
-    step.
+    Multiplies by the reciprocal of the scale in at least float32 (exactly a
+    division for power-of-two scales, else within the last bit; a division
+    would cost a copy of the gradients), also above 2**126. Integer, bool
+    and float0 leaves and ``None`` pass through. `loss_scaling` calls this
+    for you; use it only in a hand-written step.
 
     Args:
       tree: a pytree of (scaled) gradients.

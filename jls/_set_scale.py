@@ -1,11 +1,7 @@
 """`set_loss_scale`: a new scale (or a whole new state) for a run, checked.
 
-Where MindSpore has ``set_sense_scale``, torch ``update(new_scale)`` and
-Paddle setters, jls has one pure function that returns a new optimizer
-state. A concrete scale is checked now against the run's rule; a traced one
-(inside ``jit``) cannot be, so one that would be refused leaves the scale as
-it was. Either way a scale outside the rule's range never reaches an applied
-step: the step treats it as non-finite (see `jls.LossScaler.in_range`).
+jls's counterpart of MindSpore's ``set_sense_scale`` and torch's
+``update(new_scale)``: one pure function returning a new optimizer state.
 """
 
 from __future__ import annotations
@@ -31,27 +27,20 @@ def set_loss_scale(
 ) -> Any:
     """Returns ``opt_state`` with a new loss scale, or a whole new state.
 
-    Pure. The counters are kept unless ``reset_counters``: then they restart
-    as after a fresh start of ``scaler`` (the growth count at its restart
-    value, so the next growth comes when that scaler's first growth would;
-    every other counter at 0). Given a whole `jls.LossScaleState` (to resume
-    a run from another framework's checkpoint, see
-    ``jls.presets.from_torch_state_dict``, or to restart a scaler with
-    ``scaler.init()``), it replaces the state's one.
-
     Args:
       opt_state: an optimizer state containing one `LossScaleState` (or the
         `LossScaleState` itself).
-      scale: the new scale: a positive normal float32 number, numpy scalar or
-        concrete 0-d array (checked now), or a scalar array traced inside
-        ``jit``, which cannot be checked now: a traced value that would be
-        refused (nan, inf, zero, negative, subnormal, or outside the
-        ``scaler``'s range) leaves the scale unchanged. Or a whole
-        `LossScaleState`.
+      scale: the new scale, a positive normal float32 (checked now), or a
+        scalar traced inside ``jit``: a traced value that would be refused
+        leaves the scale unchanged (a scale outside the rule's range is
+        never applied: see `jls.LossScaler.in_range`). Or a whole
+        `LossScaleState` (e.g. from ``jls.presets.from_torch_state_dict``),
+        which replaces the state's one.
       scaler: the run's `LossScaler`; when given, ``scale`` must lie in its
-        ``[min_scale, max_scale]`` (and be a power of two for
-        `jls.measured_scale`). Required with ``reset_counters``.
-      reset_counters: restart every counter, as described above.
+        range (and be a power of two for `jls.measured_scale`).
+      reset_counters: restart the counters as after ``scaler``'s fresh start
+        (the growth count at its restart value, every other at 0); needs
+        ``scaler``. Default: the counters are kept.
 
     Returns:
       The new state, of the same structure.
@@ -90,13 +79,7 @@ def set_loss_scale(
         if not isinstance(new.scale, Tracer):
             positive_f32("scale.scale", new.scale)
         return _replaced(opt_state, new)
-    if not isinstance(scale, (Tracer, int, float, np.generic, np.ndarray)) and not (
-        hasattr(scale, "dtype") and hasattr(scale, "shape")
-    ):
-        raise TypeError(
-            "scale must be a real number, a real scalar array or a "
-            f"jls.LossScaleState, got {type(scale).__name__}: {scale!r:.200}"
-        )
+    _check_scale_type(scale)
     old = loss_scale_state(opt_state)
     new_scale = _checked_scale(scale, old, scaler)
     if reset_counters:
@@ -109,6 +92,16 @@ def set_loss_scale(
     else:
         new = old._replace(scale=new_scale)
     return _replaced(opt_state, new)
+
+
+def _check_scale_type(scale: Any) -> None:
+    if not isinstance(scale, (Tracer, int, float, np.generic, np.ndarray)) and not (
+        hasattr(scale, "dtype") and hasattr(scale, "shape")
+    ):
+        raise TypeError(
+            "scale must be a real number, a real scalar array or a "
+            f"jls.LossScaleState, got {type(scale).__name__}: {scale!r:.200}"
+        )
 
 
 def _checked_scale(scale: Any, old: LossScaleState, scaler: LossScaler | None) -> Any:

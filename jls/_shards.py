@@ -7,16 +7,12 @@ one shard, and its rows must be added over the axes it is sharded on; a
 reduction over a replicated gradient must be kept as it is (adding it would
 count it once per replica). `global_rows` does both, on every mesh:
 
-* Where jax records the varying axes (``shard_map`` with ``check_vma=True``)
-  a reduction's axes are its gradient's: its rows are added over exactly
-  those, in one collective per distinct set of axes.
-* Where it records none (``pmap``, a named ``vmap``, ``check_vma=False``)
-  every named axis may hold replicas or shards, and each axis is decided on
-  its own (a data x model mesh holds replicas over one and shards over the
-  other): a row bitwise equal on every member of the axis is a replica's
-  (kept), any other a shard's (added), three collectives per axis for all
-  reductions together. Shards whose rows are bitwise equal read as
-  replicas; keep ``check_vma=True`` to avoid that.
+* Where jax records the varying axes (``shard_map(check_vma=True)``), rows
+  are added over exactly their gradient's axes.
+* Where it records none (``pmap``, a named ``vmap``, ``check_vma=False``),
+  each axis is decided on its own: a row bitwise equal on every member is a
+  replica's (kept), any other a shard's (added). Shards whose rows happen to
+  be equal read as replicas; ``check_vma=True`` avoids that.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """The squares check: the finite flag, the gradients' range and their norm.
 
-With the measured rule, the norm metric or the spike rule, jls's check is a
+With the measured rule, the norm metric or the spike rule, the check is a
 sum of squares per reduction instead of `jls._finite`'s sum of magnitudes:
-one pass that gives the flag, each reduction's root-mean-square (the
-measured rule's statistic) and the global sum of squares (the norm), at the
-bandwidth floor. It keeps the magnitude check's promises:
+one pass gives the flag, each reduction's root-mean-square and the global
+norm. It keeps the magnitude check's promises:
 
-* No false negatives, under fusion too: a square is never negative, so
-  nothing cancels, and an element that rounds to inf, whatever the compiler
-  fused into it, squares to inf.
-* No false positives, however large the finite values: a finite plain sum of
-  squares proves every value finite; only when a reduction's plain sum is not
-  finite does a second pass (inside a ``lax.cond``, so it costs nothing on
-  other steps; under ``vmap`` both branches run) sum the squares again,
-  shrunk by ``2**-84``, which no finite float32 values can overflow. A
-  single shrunk sum would flush the squares of small gradients to zero and
-  lose the norm, and two sums in one pass cost more than twice one on
-  XLA:CPU.
+* No false negatives, under fusion too: squares cannot cancel, and an
+  element that rounds to inf squares to inf.
+* No false positives: a finite plain sum proves every value finite; only
+  when one is not does a second pass (in a ``lax.cond``) sum the squares
+  shrunk by ``2**-84``, which no finite float32 values overflow. (One shrunk
+  sum alone would flush small gradients' squares and lose the norm.)
 * Replicas and shards agree: a gradient sharded over ``shard_map`` axes has
-  its sums added over them (`leaves_squares`).
+  its sums added over them.
 """
 
 from __future__ import annotations
@@ -100,21 +94,10 @@ def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
 def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
-    One reduction per large leaf and one per compute dtype over the small
-    ones, as `leaves_finite`, each a sum of squares accumulated in float32
-    (float64 for float64 leaves). It has no false negatives for the reasons
-    the magnitude sum has none (a square is never negative, so nothing
-    cancels, and an element that rounds to inf, whatever the compiler fused
-    into it, squares to inf). A finite sum of squares is exact proof that
-    every value is finite; only when some reduction's sum is not finite does
-    a second pass (inside a ``lax.cond``: it costs nothing on other steps)
-    sum the squares again shrunk by ``2**-84``, which no finite values can
-    overflow: so finite gradients are never reported non-finite, and their
-    norm and range are measured whatever their size.
-
-    Sums over ``shard_map`` axes: a leaf sharded over an axis is one
-    gradient in shards, and its sums are added over the axis; a replicated
-    one is kept (`jls._shards.global_rows`, on every mesh).
+    Reductions as `leaves_finite`'s, each a sum of squares in float32
+    (float64 for float64 leaves), with the second, shrunk pass of the module
+    notes. A leaf sharded over ``shard_map`` axes has its sums added over
+    them; a replicated one is kept (`jls._shards.global_rows`).
     """
     tracked = tracked_in(leaves, named)
     reductions: list[tuple[list[jax.Array], Any, tuple[str, ...]]] = []

@@ -1,13 +1,9 @@
 """`LossScaleState`: the whole dynamic part of loss scaling, as arrays.
 
-One float32 scale, int32 counters and the measured rule's float32
-``headroom``: every rule (dynamic, measured, static, none) uses this one
-state type, so switching scalers never changes a checkpoint's structure and
-never retraces a train step. Every field is an array leaf of fixed dtype,
-made from numpy scalars (importing jls starts no backend) as a buffer of its
-own (a state can always be donated).
-
-This module imports nothing of jls: everything else builds on it.
+Every rule uses this one state type, so switching scalers never changes a
+checkpoint's structure or retraces a step. Every field is an array leaf of
+fixed dtype, made from numpy scalars (importing jls starts no backend), a
+buffer of its own (a state can always be donated).
 """
 
 from __future__ import annotations
@@ -22,28 +18,20 @@ import numpy as np
 class LossScaleState(NamedTuple):
     """The dynamic state of a loss scaler: array leaves of fixed dtype.
 
-    Attributes:
-      scale: float32 scalar, the factor the loss is multiplied by.
-      growth_count: int32 scalar, consecutive finite steps counted towards the
-        next growth of the scale.
-      backoff_count: int32 scalar, non-finite steps counted towards the next
-        back-off (``backoff_interval``, ``hysteresis``; always 0 for the plain
-        rule).
-      consecutive_skips: int32 scalar, how many steps in a row (ending with
-        the latest) were skipped: their update was dropped. Saturates at the
-        int32 maximum.
-      total_skips: int32 scalar, how many steps so far were skipped.
-        Saturates at the int32 maximum.
-      consecutive_nonfinite: int32 scalar, how many steps in a row (ending
-        with the latest) had non-finite gradients, whether or not their update
-        was dropped (with ``skip_nonfinite=False`` it is applied). Saturates.
-      retries: int32 scalar, how many times the latest step's gradients were
-        recomputed at a lower scale (``jls.train_step(..., max_retries=n)``);
-        0 after any other step. Retries are not steps: they are not counted
-        in the other counters.
-      headroom: float32 scalar, the measured rule's extra headroom, a power
-        of two >= 1 learned from overflows (`jls.measured_scale`); 1, and
-        unused, for every other rule.
+    Attributes (int32 counters saturate at the int32 maximum):
+      scale: float32, the factor the loss is multiplied by.
+      growth_count: int32, finite steps counted towards the next growth.
+      backoff_count: int32, non-finite steps counted towards the next
+        back-off (``backoff_interval``, ``hysteresis``; else 0).
+      consecutive_skips: int32, steps in a row, ending with the latest, whose
+        update was dropped.
+      total_skips: int32, steps so far whose update was dropped.
+      consecutive_nonfinite: int32, steps in a row, ending with the latest,
+        with non-finite gradients (dropped or not).
+      retries: int32, how many times the latest step's gradients were
+        recomputed (``jls.train_step(..., max_retries=n)``); not steps.
+      headroom: float32, the measured rule's extra headroom, a power of two
+        >= 1 (`jls.measured_scale`); 1 for every other rule.
 
     Example:
       >>> import jls

@@ -1,38 +1,14 @@
 """`train_step`: a loss function and a `loss_scaling` transformation, one call.
 
 A pure function ``(params, opt_state, *batch) -> (params, opt_state,
-StepOutput)`` to wrap in ``jit`` (with donation). It scales the loss,
-differentiates, checks once, and applies the fused update
-(`jls.LossScaling.apply_gradients`). Two options:
-
-* ``max_retries``: on overflow, back
-  off and recompute the gradients inside the same jitted call
-  (``lax.while_loop``, bounded), so no step is lost to a too-high scale;
-  after ``max_retries`` the step is skipped as usual. A retry is an attempt,
-  not a step: the scale rule advances as for a non-finite step, but the skip
-  counters count the step once. A retry that could not change the outcome
-  (the rule would not lower the scale: a static scaler, hysteresis still
-  tolerating, ``backoff_interval`` not yet reached, the
-  scale at ``min_scale``) is not made.
-* ``accumulation_steps``: the batch is cut
-  into micro-batches whose scaled gradients are accumulated in float32 under
-  one scale (``lax.scan``); the check and the skip happen once per effective
-  batch, and since the
-  accumulator lives inside the call a non-finite micro-batch can never
-  poison a later one. Each micro-batch gradient is multiplied by ``2**-e``,
-  the power of two at or below ``1 / k``, before it is added (exact, unless
-  the result is below the smallest normal float32), and the total is divided
-  by ``k * 2**-e`` at the end: the accumulator stays below the float32
-  maximum whenever the mean does, where summing first would overflow for
-  finite gradients above ``float32_max / k``. An accumulated mean can be
-  reported non-finite only when it lies within a factor ``1 + k * 2**-23``
-  of the float32 maximum (the rounding of ``k`` additions).
-* ``average_over``: data parallelism under ``pmap`` or ``shard_map``. The
-  gradients (and the reported loss) are averaged over the named axes with
-  ``lax.pmean`` before the check, as flax's ``DynamicScale.value_and_grad(...,
-  axis_name=...)`` does; every replica then applies the same update. Under
-  ``jit`` over sharded arrays the loss is already the global batch's and
-  nothing is needed.
+StepOutput)`` to wrap in ``jit``: it scales the loss, differentiates, checks
+once and applies the fused update. Retries (`_retried`) recompute an
+overflowed step's gradients at the backed-off scale in the same call; they
+are attempts, not steps. Accumulation (`_accumulate`) adds micro-batches in
+float32 under one scale, each pre-multiplied by a power of two at or below
+``1 / k``, so the accumulator overflows only where the mean does
+(docs/howto/accumulation.md). Averaging over ``pmap``/``shard_map`` axes
+comes before the check (`jls._average`).
 """
 
 from __future__ import annotations
@@ -97,6 +73,53 @@ class StepOutput(NamedTuple):
     nonfinite_loss: jax.Array
 
 
+def _loss_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """``loss_fn``'s output as ``(loss, aux)``, the loss a floating scalar."""
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                "has_aux=True: loss_fn must return a (loss, aux) pair, got "
+                f"{type(out).__name__}: {out!r:.200}"
+            )
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    if isinstance(loss, (tuple, list)) or jnp.shape(loss) != ():
+        hint = " (pass has_aux=True for (loss, aux))" if not has_aux else ""
+        raise TypeError(
+            f"loss_fn must return a scalar loss{hint}; has_aux={has_aux} and "
+            f"it returned {type(loss).__name__}: {loss!r:.200}"
+        )
+    dtype = jnp.result_type(loss)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"loss_fn must return a floating loss, got dtype {dtype}: a "
+            "bool or integer loss has no gradient (jax would differentiate a "
+            "float32 copy of it and every gradient would be 0). Compute the "
+            "loss in floating point, e.g. jnp.mean(errors.astype(jnp.float32))"
+        )
+    return loss, aux
+
+
+def _gradient(loss_fn: Callable[..., Any], has_aux: bool, rest: Any) -> Callable:
+    """``grad(trainable, scale, batch) -> (grads, (loss, aux))`` of the scaled loss.
+
+    The loss is scaled in float32 (or wider); ``rest`` holds the parameters'
+    leaves that are not differentiated.
+    """
+
+    def scaled_loss(trainable, scale, *batch):
+        loss, aux = _loss_and_aux(loss_fn(merge(trainable, rest), *batch), has_aux)
+        loss = jnp.asarray(loss)
+        wide = compute_dtype(loss.dtype)
+        return loss.astype(wide) * scale.astype(wide), (loss, aux)
+
+    def grad(trainable, scale, batch):
+        return jax.grad(scaled_loss, has_aux=True)(trainable, scale, *batch)
+
+    return grad
+
+
 def _split(batch: tuple, k: int) -> tuple:
     def cut(x):
         x = jnp.asarray(x)
@@ -113,6 +136,120 @@ def _split(batch: tuple, k: int) -> tuple:
 def _pow2_at_most_inverse(k: int) -> float:
     """``2**-e`` for the smallest ``e`` with ``2**e >= k``."""
     return 2.0 ** -((k - 1).bit_length())
+
+
+def _accumulate(grad: Callable, trainable: Any, scale: jax.Array, batch, k: int):
+    """The mean gradient of ``k`` micro-batches, accumulated under one scale.
+
+    Each micro-batch's gradient is multiplied by ``pre = 2**-e`` (exact) and
+    added in float32 (or wider); the total is divided by ``k * pre``, in
+    ``(1/2, 1]``, at the end. Returns ``(grads, mean loss, stacked aux)``.
+    """
+    pre = _pow2_at_most_inverse(k)
+
+    def micro(acc, b):
+        g, (loss, aux) = grad(trainable, scale, b)
+        acc = jax.tree.map(
+            lambda a, x: a + x.astype(a.dtype) * jnp.asarray(pre, a.dtype), acc, g
+        )
+        return acc, (jnp.asarray(loss, jnp.float32), aux)
+
+    # The accumulator varies over the axes the gradients do (shard_map).
+    zeros = jax.tree.map(
+        lambda p: pvary(
+            jnp.zeros(p.shape, compute_dtype(p.dtype)), sorted(varying_axes(p))
+        ),
+        trainable,
+    )
+    total, (losses, auxes) = lax.scan(micro, zeros, _split(tuple(batch), k))
+    grads = jax.tree.map(
+        lambda t, p: (t / jnp.asarray(k * pre, t.dtype)).astype(p.dtype),
+        total,
+        trainable,
+    )
+    return grads, jnp.mean(losses), auxes
+
+
+def _scaled_grads(grad: Callable, trainable, scale, batch, k: int, average_over):
+    """``(grads, loss, aux)`` of one attempt: accumulated, then averaged."""
+    trainable, summed = local(trainable, average_over)
+    if k == 1:
+        grads, (loss, aux) = grad(trainable, scale, batch)
+        loss = jnp.asarray(loss, jnp.float32)
+    else:
+        grads, loss, aux = _accumulate(grad, trainable, scale, batch, k)
+    if average_over:
+        grads, loss = mean(grads, loss, average_over, summed)
+    return grads, loss, aux
+
+
+def _retried(scaler: Any, attempt: Callable, first: tuple, max_retries: int):
+    """Recomputes the gradients under a backed-off scale while they overflow.
+
+    ``first`` is the first attempt's ``(loss_scale, grads, loss, aux,
+    decision)``; returns the last attempt's, with the number of retries. A
+    retry needs a valid scale that the rule would lower and a finite loss (a
+    non-finite loss is not the scale's fault).
+    """
+    loss = first[2]
+
+    def again(carry):
+        loss_scale, _, _, _, _, retries = carry
+        loss_scale = scaler.retry(loss_scale, retries + 1)
+        return (loss_scale, *attempt(loss_scale), retries + 1)
+
+    def worth_another(carry):
+        loss_scale, _, _, _, decision, retries = carry
+        lower = scaler.retry(loss_scale, retries + 1).scale < loss_scale.scale
+        valid = scaler.in_range(loss_scale.scale)
+        worth = lower & valid & jnp.isfinite(loss)
+        return ~decision.finite & (retries < max_retries) & worth
+
+    return lax.while_loop(worth_another, again, (*first, jnp.int32(0)))
+
+
+def _make_step(config, loss_fn, has_aux, max_retries, k, average_over) -> Callable:
+    """The pure step `train_step` returns, for validated arguments."""
+
+    def step(params, opt_state, *batch):
+        state = validate(config, opt_state, params)
+        # Split once: the floating arrays are differentiated and stepped; a
+        # whole model (an equinox Module) also holds functions, numbers and
+        # integer arrays.
+        trainable, rest = split_inexact(params)
+        grad = _gradient(loss_fn, has_aux, rest)
+
+        def attempt(loss_scale: LossScaleState):
+            grads, loss, aux = _scaled_grads(
+                grad, trainable, loss_scale.scale, batch, k, average_over
+            )
+            return grads, loss, aux, decide(config, grads, loss_scale)
+
+        first = (state.loss_scale, *attempt(state.loss_scale))
+        if max_retries:
+            carry = _retried(config.scaler, attempt, first, max_retries)
+        else:
+            carry = (*first, jnp.int32(0))
+        loss_scale, grads, loss, aux, decision, retries = carry
+        state = state._replace(loss_scale=loss_scale)
+        extra = {"loss": loss} if config.reads_loss else {}
+        prepared = prepare(config, grads, state, extra)
+        new, new_state = finish(
+            config, grads, prepared, trainable, decision, fused=True, retries=retries
+        )
+        out = StepOutput(
+            loss=loss,
+            aux=aux,
+            nonfinite=~decision.finite,
+            skipped=new_state.loss_scale.consecutive_skips > 0,
+            loss_scale=loss_scale.scale,
+            next_loss_scale=new_state.loss_scale.scale,
+            retries=retries,
+            nonfinite_loss=~jnp.isfinite(loss),
+        )
+        return merge(new, rest), new_state, out
+
+    return step
 
 
 def train_step(
@@ -139,15 +276,11 @@ def train_step(
       accumulation_steps: cut each batch into this many micro-batches along
         the leading axis and accumulate their gradients under one scale.
       average_over: the ``pmap``/``shard_map`` axis name (or names) to
-        average the gradients over (``lax.pmean``, after accumulation, before
-        the check), for data-parallel training: each replica computes the
-        gradients of its shard of the batch and all apply their mean, so
-        replicas that start equal stay bitwise equal. ``StepOutput.loss`` is
-        averaged too; ``aux`` is each replica's own. The transformation's
-        ``axis_name`` only makes the replicas agree on the skip and the
-        scale: without ``average_over`` (or a ``lax.pmean`` of your own) each
-        replica would step with its own gradients. Not needed under ``jit``
-        over sharded arrays, where the loss is already the global batch's.
+        average the gradients and ``StepOutput.loss`` over (``lax.pmean``,
+        after accumulation, before the check); ``aux`` stays each replica's
+        own. The transformation's ``axis_name`` only makes the replicas agree
+        on the skip and the scale. Not needed under ``jit`` over sharded
+        arrays, where the loss is already the global batch's.
 
     Returns:
       ``step(params, opt_state, *batch) -> (params, opt_state, StepOutput)``.
@@ -182,139 +315,6 @@ def train_step(
     average_over = axis_names("average_over", average_over)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-    scaler = config.scaler
-    k = accumulation_steps
-
-    def split_out(out):
-        if has_aux:
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise TypeError(
-                    "has_aux=True: loss_fn must return a (loss, aux) pair, got "
-                    f"{type(out).__name__}: {out!r:.200}"
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, None
-        if isinstance(loss, (tuple, list)) or jnp.shape(loss) != ():
-            hint = " (pass has_aux=True for (loss, aux))" if not has_aux else ""
-            raise TypeError(
-                f"loss_fn must return a scalar loss{hint}; has_aux={has_aux} and "
-                f"it returned {type(loss).__name__}: {loss!r:.200}"
-            )
-        dtype = jnp.result_type(loss)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"loss_fn must return a floating loss, got dtype {dtype}: a "
-                "bool or integer loss has no gradient (jax would differentiate a "
-                "float32 copy of it and every gradient would be 0). Compute the "
-                "loss in floating point, e.g. jnp.mean(errors.astype(jnp.float32))"
-            )
-        return loss, aux
-
-    def scaled_grads(trainable, rest, scale, batch):
-        def f(p, *b):
-            loss, aux = split_out(loss_fn(p, *b))
-            loss = jnp.asarray(loss)
-            wide = compute_dtype(loss.dtype)
-            return loss.astype(wide) * scale.astype(wide), (loss, aux)
-
-        trainable, summed = local(trainable, average_over)
-
-        def grad(b):
-            def g(t, *b):
-                return f(merge(t, rest), *b)
-
-            return jax.grad(g, has_aux=True)(trainable, *b)
-
-        if k == 1:
-            grads, (loss, aux) = grad(batch)
-            return (*averaged(grads, jnp.asarray(loss, jnp.float32), summed), aux)
-
-        pre = _pow2_at_most_inverse(k)
-
-        def micro(acc, b):
-            g, (loss, aux) = grad(b)
-            acc = jax.tree.map(
-                lambda a, x: a + x.astype(a.dtype) * jnp.asarray(pre, a.dtype), acc, g
-            )
-            return acc, (jnp.asarray(loss, jnp.float32), aux)
-
-        micro_batches = _split(tuple(batch), k)
-        # The accumulator varies over the axes the gradients do (shard_map).
-        zeros = jax.tree.map(
-            lambda p: pvary(
-                jnp.zeros(p.shape, compute_dtype(p.dtype)), sorted(varying_axes(p))
-            ),
-            trainable,
-        )
-        total, (losses, auxes) = lax.scan(micro, zeros, micro_batches)
-        # total = sum(g * pre): divide by k * pre (exact, in (1/2, 1]).
-        grads = jax.tree.map(
-            lambda t, p: (t / jnp.asarray(k * pre, t.dtype)).astype(p.dtype),
-            total,
-            trainable,
-        )
-        return (*averaged(grads, jnp.mean(losses), summed), auxes)
-
-    def averaged(grads, loss, summed):
-        if not average_over:
-            return grads, loss
-        return mean(grads, loss, average_over, summed)
-
-    def step(params, opt_state, *batch):
-        state = validate(config, opt_state, params)
-        # Split once: the floating arrays are differentiated and stepped; a
-        # whole model (an equinox Module) also holds functions, numbers and
-        # integer arrays.
-        trainable, rest = split_inexact(params)
-
-        def attempt(loss_scale: LossScaleState):
-            grads, loss, aux = scaled_grads(trainable, rest, loss_scale.scale, batch)
-            return grads, loss, aux, decide(config, grads, loss_scale)
-
-        loss_scale = state.loss_scale
-        grads, loss, aux, decision = attempt(loss_scale)
-        retries = jnp.int32(0)
-        if max_retries:
-
-            def again(carry):
-                loss_scale, _, _, _, _, retries = carry
-                loss_scale = scaler.retry(loss_scale, retries + 1)
-                return (loss_scale, *attempt(loss_scale), retries + 1)
-
-            def worth_another(carry):
-                loss_scale, _, _, _, decision, retries = carry
-                # A retry needs a valid scale (an out-of-range state is
-                # dropped, not retried) that the rule would lower.
-                lower = scaler.retry(loss_scale, retries + 1).scale < loss_scale.scale
-                valid = scaler.in_range(loss_scale.scale)
-                # A non-finite loss is not the scale's fault: no retry.
-                worth = lower & valid & jnp.isfinite(loss)
-                return ~decision.finite & (retries < max_retries) & worth
-
-            carry = lax.while_loop(
-                worth_another,
-                again,
-                (loss_scale, grads, loss, aux, decision, retries),
-            )
-            loss_scale, grads, loss, aux, decision, retries = carry
-        state = state._replace(loss_scale=loss_scale)
-        extra = {"loss": loss} if config.reads_loss else {}
-        prepared = prepare(config, grads, state, extra)
-        new, new_state = finish(
-            config, grads, prepared, trainable, decision, fused=True, retries=retries
-        )
-        params = merge(new, rest)
-        out = StepOutput(
-            loss=loss,
-            aux=aux,
-            nonfinite=~decision.finite,
-            skipped=new_state.loss_scale.consecutive_skips > 0,
-            loss_scale=loss_scale.scale,
-            next_loss_scale=new_state.loss_scale.scale,
-            retries=retries,
-            nonfinite_loss=~jnp.isfinite(loss),
-        )
-        return params, new_state, out
-
-    return step
+    return _make_step(
+        config, loss_fn, has_aux, max_retries, accumulation_steps, average_over
+    )

@@ -1,17 +1,12 @@
 """Finding jls's states inside any optax state, and splitting a model.
 
 Lookups are ``optax.tree.get_all_with_path`` by type name (it reaches inside
-every optax state and flax ``nnx`` optimizer states): `find_one` is the one
-place that decides how many were found and what the error says, and it has
-the path judged (`jls._composition`: a wrapper that hides jls from its
-caller is refused). `plain` turns what jls reads out of
-an ``nnx.Optimizer``'s state into plain arrays.
+optax and flax ``nnx`` optimizer states); `find_one` decides how many were
+found, has the path judged (`jls._composition`) and words the error.
 
-A model may be a whole equinox ``Module``: only arrays can enter a
-``lax.cond`` and only floating arrays can be differentiated, so the fused
-step and `jls.train_step` split the tree first (`split_inexact`,
-`split_frozen`) and put it back together after (`merge`), as
-``eqx.partition``/``eqx.combine`` do, without jls depending on equinox.
+A model may be a whole equinox ``Module``: the fused step and
+`jls.train_step` split off its floating arrays (`split_inexact`,
+`split_frozen`) and `merge` them back, as ``eqx.partition``/``eqx.combine``.
 """
 
 from __future__ import annotations
@@ -57,15 +52,10 @@ def find_one(tree: Any, kind: type, what: str, hint: str) -> Any:
 def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState:
     """Finds the one `LossScaleState` inside a (nested) optax state.
 
-    Works through the user's own containers, flax optimizer states (leaves
-    boxed in ``nnx`` variables are unwrapped) and the wrappers that hand
-    every gradient to jls unchanged: ``optax.inject_hyperparams``, and
-    ``optax.MultiSteps`` with a ``should_skip_update_fn``. A state where
-    another transformation runs around ``loss_scaling`` (``optax.chain`` or
-    ``named_chain`` beside others, ``masked``, ``multi_transform`` /
-    ``partition``, ``MultiSteps`` without a skip function,
-    ``apply_if_finite``) is refused, naming the fix (put it inside
-    ``loss_scaling``); any other wrapper's state is warned about.
+    Works through the user's containers, flax optimizer states and the
+    wrappers that hand every gradient to jls unchanged; a state where another
+    transformation runs around ``loss_scaling`` is refused, naming the fix
+    (docs/howto/composing.md).
 
     Args:
       opt_state: an optimizer state, or a `LossScaleState` itself.

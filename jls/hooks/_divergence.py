@@ -1,14 +1,10 @@
 """Divergence: a run whose loss scale keeps overflowing must stop loudly.
 
-jls never applies a non-finite update, so a run whose gradients stay
-non-finite makes no progress at all. Every ``loss_scaling(...)`` has the
-`Divergence` hook (``max_consecutive_skips``, 1000 by default; ``None``
-turns it off): a sticky ``diverged`` flag in the state (plain state, so it
-is exact under ``vmap``, ``scan`` and ``pmap``), and `raise_if_diverged`
-turns it into a `DivergenceError` where a Python ``except`` can catch it: on
-the host after the step (it reads one flag; call it where you log metrics),
-or inside ``jit`` through ``jax.experimental.checkify``. Keeping the flag
-costs a few scalar operations and no host sync.
+A run whose gradients stay non-finite makes no progress at all. Every
+``loss_scaling(...)`` has the `Divergence` hook (``max_consecutive_skips``,
+1000 by default; ``None`` turns it off): a sticky ``diverged`` flag in the
+state, which `raise_if_diverged` turns into a `DivergenceError` on the host
+or, inside ``jit``, through ``jax.experimental.checkify``.
 """
 
 from __future__ import annotations
@@ -68,20 +64,7 @@ class Divergence(Hook):
 
 
 class DivergenceError(RuntimeError):
-    """Raised when loss scaling keeps skipping steps: the run has diverged.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.dynamic_scale()
-      >>> state = scaler.init()
-      >>> for _ in range(5):
-      ...     state = scaler.adjust(state, False)
-      >>> try:
-      ...     jls.hooks.raise_if_diverged(state, max_consecutive_skips=3)
-      ... except jls.hooks.DivergenceError as e:
-      ...     print(type(e).__name__)
-      DivergenceError
-    """
+    """Raised when loss scaling keeps skipping steps: the run has diverged."""
 
 
 def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
@@ -131,11 +114,9 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) 
     instead: wrap the step in ``checkify.checkify`` and the returned error's
     ``throw()`` raises (or ``get()`` reports) the breach.
 
-    With the default ``max_consecutive_skips=None`` it reads the sticky
-    ``diverged`` flag of a ``loss_scaling(..., max_consecutive_skips=n)``
-    state, which a breach anywhere in a ``lax.scan`` or on any
-    ``vmap``/``pmap`` member sets. With a limit it compares the current
-    ``consecutive_skips``.
+    Without ``max_consecutive_skips`` it reads the state's sticky
+    ``diverged`` flag (set by a breach at any step of a ``lax.scan`` or any
+    ``vmap``/``pmap`` member); with a limit it compares ``consecutive_skips``.
 
     Args:
       opt_state: an optimizer state containing a `LossScaleState` (batched

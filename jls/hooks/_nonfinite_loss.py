@@ -1,19 +1,12 @@
 """A non-finite loss skips its step without throwing the scale away.
 
-When the unscaled loss itself is nan or inf (a float16 sigmoid rounding to
-exactly 1, then ``0 * log(0)``), no loss scale can help: backing off for it
-would halve the scale once per such step, down to ``min_scale``, and regrowing
-takes thousands of clean steps. This hook, on by default, vetoes such a step
-and holds the rule: the step is skipped (nothing changes, it counts in
-``total_skips``), and the scale, growth count and headroom stay as they were;
-`jls.train_step` makes no retry for it. It acts whenever the step has the
-loss: `jls.train_step` always passes it, ``tx.update`` and
-`jls.apply_gradients` when given ``loss=``.
-
-A scaler that applies non-finite steps (``skip_nonfinite=False``: the off
-switch, MindSpore's ``drop_overflow_update=False``) keeps the hook with
-``skips=False``: it only records, so ``jls.metrics`` has the same keys in
-every setting and one logger serves every precision.
+When the unscaled loss itself is nan or inf, no loss scale can help, and
+backing off for it would throw the scale away. This hook, on by default,
+skips such a step (counted in ``total_skips``) and holds the rule's scale and
+counters; `jls.train_step` makes no retry for it. It acts whenever the step
+has the loss (`jls.train_step` always; ``tx.update`` and
+`jls.apply_gradients` with ``loss=``). With ``skip_nonfinite=False`` it only
+records (``skips=False``), so ``jls.metrics`` keeps the same keys.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """The replica check: data-parallel replicas that forgot to average their gradients.
 
 ``jls.loss_scaling(..., axis_name=..., check_replicas=True)`` adds this
-hook. ``axis_name`` makes the replicas agree on the skip and the scale; it
-does not average their gradients (``lax.pmean``, or
-``jls.train_step(..., average_over=...)``). A data-parallel step that
-forgets to is not an error jax can see everywhere: under ``pmap``,
-``check_vma=False`` or a named ``vmap`` each replica steps with its own
-shard's gradients. This hook compares a fingerprint of the gradients across
-the replicas: the first element of every floating leaf, bitwise (averaged
-gradients are bitwise equal on every replica; any two shards of real data
-give different ones). It costs one small collective per compared axis (one
-value per leaf) and reads one element per leaf.
-
-Which axes hold replicas: ``check_replicas=True`` compares over the one
-``axis_name``; on a mesh of several named axes (data x model), name the
-data-parallel ones, ``check_replicas="data"``: a model-parallel axis holds
-shards, which differ by design. Under ``shard_map`` with ``check_vma=True``
-jax's types already guarantee that a gradient invariant over an axis is
-equal on its members, and one varying over it is sharded there: nothing is
-left to compare, and the hook reports no mismatch at no cost (what can go
-wrong there is a gradient summed rather than averaged, which
-``jls.scale_loss`` warns about). Where jax records no varying axes, a leaf
-sharded over a compared axis (FSDP) cannot be told from one not averaged:
-use ``check_vma=True`` for such layouts.
-
-A non-finite step is not counted (its gradients are dropped anyway).
+hook. ``axis_name`` makes replicas agree on the skip and the scale, not on
+the gradients: under ``pmap``, ``check_vma=False`` or a named ``vmap`` a step
+that forgets ``lax.pmean`` steps each replica with its own. The hook compares
+the first element of every floating leaf, bitwise, across the replicas (one
+small collective per axis). ``check_replicas="data"`` names the
+data-parallel axes on a mesh of several. Under ``shard_map(check_vma=True)``
+jax's types already guarantee it: nothing is compared. A non-finite step is
+not counted.
 """
 
 from __future__ import annotations

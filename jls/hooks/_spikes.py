@@ -1,13 +1,9 @@
 """Skipping (or clipping) steps whose gradient norm or loss spikes.
 
-LLM trainers drop a step whose loss or gradient norm is an outlier against
-its recent history (MaxText's ``skip_step_on_spikes``, OLMo-core's
-skip-step optimizer). jls has the gradient norm from its finite check's one
-pass, so the rule costs a few scalar operations per step. It is a veto on
-top of the scaler's decision: a spike is dropped like a non-finite step
-(counted in ``total_skips``, nothing changes), but the scaler sees finite
-gradients, so the scale does not back off.
-``action="clip"`` applies it shrunk instead (ZClip, arXiv 2504.02507).
+As MaxText's ``skip_step_on_spikes`` and OLMo-core's skip-step optimizer,
+on the gradient norm the finite check computes anyway. A veto on top of the
+scaler's decision: a spike is dropped (counted in ``total_skips``) but the
+scale does not back off. docs/howto/spikes.md shows it at work.
 """
 
 from __future__ import annotations
@@ -32,26 +28,16 @@ _ACTIONS = ("skip", "clip")
 class SpikeRule(Hook):
     """Skip a step whose gradient norm (or loss) spikes; hashable, validated.
 
-    A value ``x`` (the global norm of the unscaled gradients, or the loss
-    given to the step as ``loss=``) is a spike when ``x > mean + threshold *
-    std``, the running mean and standard deviation of the values of the
-    applied steps before it. The statistics are exponential moving averages
-    over about ``window`` steps (exact averages over the first ``window``);
-    the rule acts once ``warmup`` steps have fed them. A skipped step (spike
-    or non-finite) does not update them. A step whose gradients are not
-    finite is the finite check's business, never a spike (with
-    ``skip_nonfinite=False`` it is applied like any such step).
-
+    A value ``x`` (the global norm of the unscaled gradients, or the
+    ``loss=`` given to the step) is a spike when ``x > mean + threshold *
+    std`` of the applied steps before it: exponential moving averages over
+    about ``window`` steps, acting once ``warmup`` steps have fed them.
+    Skipped steps do not feed them; non-finite gradients are never a spike.
     With ``action="clip"`` a spike is applied with its gradients multiplied
-    by ``limit / norm`` (``limit = mean + threshold * std``; the factor is
-    agreed and multiplied into the unscaling, no second pass), and the
-    statistics are fed ``limit`` (ZClip). The spike counters count clips.
-
-    The rule always recovers: a run of ``patience`` spikes in a row means
-    the level has moved (a loss weighted 0 during warm-up, a new phase of
-    training), and the statistics restart: the next ``warmup`` steps are
-    applied and learn the new level. Statistics that arrive not finite or
-    negative (a checkpoint, a user's hand) restart the same way.
+    by ``limit / norm`` (``limit = mean + threshold * std``), and ``limit``
+    feeds the statistics (ZClip, arXiv 2504.02507). ``patience`` spikes in a
+    row (a new level) restart the statistics, as do statistics that are not
+    finite or negative.
 
     Attributes:
       threshold: how many standard deviations above the mean make a spike;

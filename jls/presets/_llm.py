@@ -70,23 +70,17 @@ def deepspeed(
 
     ``init_scale`` (default 2**32) or the config's ``initial_scale_power``;
     ``delayed_shift`` or the config's ``hysteresis`` (default 1). An overflow
-    either spends one unit of hysteresis or, once spent, divides the scale by
-    ``scale_factor`` (never below ``min_scale``); the scale grows by
-    ``scale_factor`` when the finite steps since the last overflow, less one,
-    are a positive multiple of ``scale_window``: the first growth after the
+    spends one unit of hysteresis or, once spent, divides the scale by
+    ``scale_factor`` (never below ``min_scale``). The first growth after the
     start or an overflow comes on the ``scale_window + 1``-th finite step,
-    later ones every ``scale_window`` (here
-    ``first_growth_interval=scale_window + 1``). A growth restores the
-    hysteresis; with ``consecutive_hysteresis`` any finite step does.
+    later ones every ``scale_window``. A growth restores the hysteresis; with
+    ``consecutive_hysteresis`` any finite step does.
 
     Differences: DeepSpeed's growth is unguarded (its scale can reach inf);
-    jls stops at ``max_scale``. DeepSpeed raises when an overflow comes at
-    ``min_scale`` with ``raise_error_at_min_scale``; the scaler cannot raise
-    (the argument is validated and otherwise unused). jls keeps skipping at
-    ``min_scale``; to stop the run, use
-    ``jls.loss_scaling(..., max_consecutive_skips=n)`` with
-    ``jls.hooks.raise_if_diverged`` (on the host, or inside ``jit`` under checkify). The
-    scale is a float64 Python number in DeepSpeed (see the module notes).
+    jls stops at ``max_scale``. The scaler cannot raise at ``min_scale``
+    (``raise_error_at_min_scale`` is validated, otherwise unused): to stop
+    the run, use ``jls.loss_scaling(..., max_consecutive_skips=n)`` with
+    ``jls.hooks.raise_if_diverged``.
 
     Example:
       >>> import jls
@@ -94,25 +88,8 @@ def deepspeed(
       >>> float(s.init().scale), s.first_growth_interval
       (65536.0, 3)
     """
-    if init_scale is not None and initial_scale_power is not None:
-        raise ValueError(
-            "give init_scale or initial_scale_power, not both; "
-            f"got {init_scale!r} and {initial_scale_power!r}"
-        )
-    if initial_scale_power is not None:
-        power = integer("initial_scale_power", initial_scale_power, -126)
-        check(
-            power <= 127,
-            f"initial_scale_power must be <= 127 (float32), got {power!r}",
-        )
-        init_scale = 2.0**power
-    if delayed_shift is not None and hysteresis is not None:
-        check(
-            delayed_shift == hysteresis,
-            "delayed_shift and hysteresis are the same setting; got "
-            f"{delayed_shift!r} and {hysteresis!r}",
-        )
-    shift = next((h for h in (delayed_shift, hysteresis) if h is not None), 1)
+    init_scale = _deepspeed_init_scale(init_scale, initial_scale_power)
+    shift = _deepspeed_hysteresis(delayed_shift, hysteresis)
     flag("raise_error_at_min_scale", raise_error_at_min_scale)
     # The first growth comes on step scale_window + 1.
     window = integer("scale_window", scale_window, 1, I32_MAX - 1)
@@ -127,7 +104,7 @@ def deepspeed(
         names["init_scale"] = "2**initial_scale_power"
     return dynamic_rule(
         names,
-        init_scale=2.0**32 if init_scale is None else init_scale,
+        init_scale=init_scale,
         growth_factor=factor,
         backoff_divisor=factor,
         growth_interval=window,
@@ -137,3 +114,28 @@ def deepspeed(
         min_scale=min_scale,
         max_scale=max_scale,
     )
+
+
+def _deepspeed_init_scale(init_scale: float | None, power: int | None) -> float:
+    """``init_scale``, or ``2**initial_scale_power`` (default 2**32); not both."""
+    if init_scale is not None and power is not None:
+        raise ValueError(
+            "give init_scale or initial_scale_power, not both; "
+            f"got {init_scale!r} and {power!r}"
+        )
+    if power is None:
+        return 2.0**32 if init_scale is None else init_scale
+    power = integer("initial_scale_power", power, -126)
+    check(power <= 127, f"initial_scale_power must be <= 127 (float32), got {power!r}")
+    return 2.0**power
+
+
+def _deepspeed_hysteresis(delayed_shift: int | None, hysteresis: int | None) -> int:
+    """DeepSpeed's two names of one setting (default 1); equal if both given."""
+    if delayed_shift is not None and hysteresis is not None:
+        check(
+            delayed_shift == hysteresis,
+            "delayed_shift and hysteresis are the same setting; got "
+            f"{delayed_shift!r} and {hysteresis!r}",
+        )
+    return next((h for h in (delayed_shift, hysteresis) if h is not None), 1)
