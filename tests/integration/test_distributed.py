@@ -63,13 +63,15 @@ def stagnation_mesh():
 
 
 def test_stagnation_reads_sharded_parameters_where_they_lie(stagnation_mesh):
-    # Stagnation(every=16) reads a block in 16 of each leaf: cut along an
-    # axis sharded over 8 devices, whole rows per shard, it gathers nothing
-    # (blocks grown to 16 entries without that rule made 4 all-gathers
-    # here). Its one addition: the counts' all-reduce. Each leaf's counts are
-    # one variadic reduction only in a process with one device: the
-    # partitioner gathered a sharded one's operands (12 all-gathers here,
-    # and as many under scale_stats=True, whose statistics are the same kind).
+    # Stagnation(every=16) reads one index in 16 along an axis of each leaf
+    # of a multiple of 256 entries: sharded along it over 8 devices, whole
+    # runs of 16 per shard, it gathers nothing (cut along any axis of a
+    # multiple of 16, the (64, 4096), (3, 3, 64, 64) and (64, 64) leaves
+    # made 9 all-gathers here). Its one addition: the counts' all-reduce.
+    # Each leaf's counts are one variadic reduction only in a process with
+    # one device: the partitioner gathered a sharded one's operands (12
+    # all-gathers here, and as many under scale_stats=True, whose statistics
+    # are the same kind).
     # With in_shardings over host arrays the types name no mesh (the one
     # variadic reduction gathered 4 partial counts there). The hooks add no
     # collective there either; the step without them gathers its small

@@ -3,8 +3,8 @@
 Usage: stagnation_mesh.py   (8 host devices)
 
 Parameters sharded over 8 devices along their first or last axis, or
-replicated (a 3-d kernel, cut along its middle axis, sharded along either
-of the others; conv kernels sharded along C_in), under jax.jit's default
+replicated (3-d kernels cut along their last axis, sharded along the first
+or the cut one; conv kernels sharded along C_in), under jax.jit's default
 (Auto) mesh: the fused step is compiled without the hook, with
 Stagnation(every=16), with Stagnation(every=1) and with scale_stats=True
 (its one reduction per leaf is the same kind), and the collectives of each
@@ -37,14 +37,17 @@ specs = {
     "replicated": ((7, 3), P()),
     "wide": ((256, 2048), P(None, "dp")),
     "tiny": ((8,), P("dp")),
-    # (heads, head dim, features): cut along the head dim (`_cut`)
+    # (heads, head dim, features): cut along the features (`_cut`: the first
+    # axis of a multiple of 16 * 16 entries), sharded along another / along it
     "heads": ((8, 64, 512), P("dp", None, None)),
     "features": ((8, 64, 512), P(None, None, "dp")),
-    # in blocks of 16 along the last axis, sharded along the first (FSDP)
+    # cut along the last axis: 4 rows of 64 a step would not split 8 ways
     "fsdp": ((64, 4096), P("dp", None)),
-    # conv kernels: read whole (small), in rows along C_in (8 a step)
+    # conv kernels: read whole, under a mask (4 or 8 of C_in a step would
+    # not split 8 ways); a wider one cut along C_in, 16 a step, sharded along it
     "conv": ((3, 3, 64, 64), P(None, None, "dp", None)),
     "conv_wide": ((3, 3, 128, 128), P(None, None, "dp", None)),
+    "conv_cut": ((3, 3, 256, 64), P(None, None, "dp", None)),
     "small": ((64, 64), P("dp", None)),
 }
 params = {k: jnp.ones(shape) for k, (shape, _) in specs.items()}
