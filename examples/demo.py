@@ -84,7 +84,7 @@ TRAIN_SIZE = 1437  # 80% of scikit-learn's 1797 digits
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """What the demo trains; the defaults finish in about 6 minutes on 2 CPUs.
+    """What the demo trains; the defaults finish in about 3 minutes on 2 CPUs.
 
     Attributes:
       steps: optimizer steps per mode.
