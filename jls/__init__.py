@@ -11,8 +11,7 @@ parameters) and `jls.presets` (other frameworks' rules). ``docs/design.md``
 says why each public name exists.
 """
 
-import importlib
-import warnings
+import importlib as _importlib
 
 from jls import hooks, precision, presets
 from jls._checkpoint import upgrade_state
@@ -58,22 +57,6 @@ __all__ = [
     "upgrade_state",
 ]
 
-# jls 0.3's top-level names that moved into a namespace: they keep working
-# for one release, with a DeprecationWarning naming the new place.
-_MOVED = {
-    "Hook": "hooks",
-    "SpikeRule": "hooks",
-    "ScaleStats": "hooks",
-    "DivergenceError": "hooks",
-    "raise_if_diverged": "hooks",
-    "nonfinite_paths": "hooks",
-    "Policy": "precision",
-    "get_policy": "precision",
-    "precision_report": "precision",
-    "compensated": "precision",
-    "stochastic_rounding": "precision",
-}
-
 
 def __getattr__(name: str) -> object:
     # ``jls.flax`` needs flax, so ``import jls`` does not import it; reaching
@@ -81,19 +64,10 @@ def __getattr__(name: str) -> object:
     # install), instead of an AttributeError that names nothing.
     if name == "flax":
         try:
-            return importlib.import_module("jls.flax")
+            return _importlib.import_module("jls.flax")
         except ImportError as err:
             raise AttributeError(
                 "jls.flax needs flax: pip install -e '.[flax]' in a checkout of "
                 f"jls, then import jls.flax ({err})"
             ) from None
-    if name in _MOVED:
-        place = _MOVED[name]
-        warnings.warn(
-            f"jls.{name} moved to jls.{place}.{name} in jls 0.4; the old name "
-            "will be removed in jls 0.5",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(globals()[place], name)
     raise AttributeError(f"module 'jls' has no attribute {name!r}")

@@ -1,56 +1,72 @@
-"""The hooks `jls.loss_scaling`'s keyword arguments stand for: one function.
+"""The hooks `jls.loss_scaling`'s feature keywords stand for: one function.
 
-Every optional feature is a hook (`jls.hooks`); the keywords are a
-convenience that `hooks_from_options` turns into hook objects, put before
-the ``hooks=`` the caller gives. Whether a hook fits the rest of the
-transformation (an ``axis_name`` to compare over, a donating step) is the
-hook's own `Hook.check`, called by `jls._config.make_config`.
+Every optional feature is a hook (`jls.hooks`); the keywords of
+`jls.loss_scaling` (``gradient_norm=True``, ``skip_spikes=``, ...) are a
+convenience that `hooks_from_options` alone turns into hook objects, put
+before the ``hooks=`` the caller gives. `jls.LossScaling` takes hooks only;
+`keywords_refused` is its error for a feature keyword, naming the hooks it
+stands for. Whether a hook fits the rest of the transformation (an
+``axis_name`` to compare over) is the hook's own `Hook.check`, called by
+`jls._config.make_config`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from jls._validate import axis_names, flag
 from jls.hooks._diagnostics import Diagnostics
-from jls.hooks._divergence import Divergence
+from jls.hooks._divergence import DIVERGENCE_LIMIT, Divergence
 from jls.hooks._hooks import Hook
-from jls.hooks._nonfinite_loss import NonfiniteLoss
 from jls.hooks._norm import GradientNorm
 from jls.hooks._replicas import ReplicaCheck
 from jls.hooks._scale_stats import ScaleStats
 from jls.hooks._spikes import SpikeRule
 
+# The feature keywords of jls.loss_scaling, with their defaults.
+FEATURES: dict[str, Any] = {
+    "diagnostics": False,
+    "max_consecutive_skips": DIVERGENCE_LIMIT,
+    "gradient_norm": False,
+    "skip_spikes": None,
+    "check_replicas": False,
+    "scale_stats": False,
+}
+
+
+def checked_hooks(hooks: Any) -> tuple[Hook, ...]:
+    """``hooks`` as a tuple, or a TypeError naming ``hooks``."""
+    if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
+        raise TypeError(
+            f"hooks must be a sequence of jls.hooks.Hook, got {hooks!r:.200}"
+        )
+    return tuple(hooks)
+
 
 def hooks_from_options(
-    hooks: Sequence[Hook],
+    hooks: Sequence[Hook] = (),
     *,
     diagnostics: Any = False,
     max_consecutive_skips: Any = None,
     gradient_norm: Any = False,
     skip_spikes: Any = None,
-    skip_nonfinite: bool = True,
     check_replicas: Any = False,
     scale_stats: Any = False,
 ) -> tuple[Hook, ...]:
-    """The hooks the keyword arguments stand for, then ``hooks``.
+    """The hooks the feature keywords stand for, then ``hooks``.
 
-    `NonfiniteLoss` is always on: it skips for every scaler that skips
-    non-finite steps, and only records for one configured to apply them
-    (MindSpore's ``drop_overflow_update=False``, the off switch), so the
-    metrics have the same keys in every setting.
+    The step adds `jls.hooks._nonfinite_loss.NonfiniteLoss` before them
+    (`jls._config.make_config`): it is always on, for every way of making
+    the transformation.
 
     Raises:
-      TypeError: naming the keyword, for a value of the wrong type.
+      TypeError, ValueError: naming the keyword, for a bad value.
     """
-    if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
-        raise TypeError(
-            f"hooks must be a sequence of jls.hooks.Hook, got {hooks!r:.200}"
-        )
-    out: list[Hook] = [NonfiniteLoss(skips=skip_nonfinite)]
+    hooks = checked_hooks(hooks)
+    out: list[Hook] = []
     if flag("diagnostics", diagnostics):
         out.append(Diagnostics())
     if max_consecutive_skips is not None:
@@ -75,6 +91,35 @@ def hooks_from_options(
     elif scale_stats is not False and scale_stats is not None:
         out.append(ScaleStats(scale_stats))  # a dtype, checked there
     return (*out, *hooks)
+
+
+def keywords_refused(options: Mapping[str, Any]) -> TypeError:
+    """`jls.LossScaling`'s error for keywords it does not take, naming the fix.
+
+    Feature keywords of `jls.loss_scaling` are answered with the hooks that
+    call would make (its defaults included: ``gradient_norm=True`` with the
+    default divergence limit is ``hooks=(jls.hooks.Divergence(limit=1000),
+    jls.hooks.GradientNorm())``); any other keyword gets Python's own message.
+    """
+    unknown = [name for name in options if name not in FEATURES]
+    if unknown:
+        return TypeError(
+            f"LossScaling() got an unexpected keyword argument {unknown[0]!r}"
+        )
+    given = ", ".join(f"{name}={value!r}" for name, value in options.items())
+    try:
+        made = [
+            f"jls.hooks.{h!r}" for h in hooks_from_options(**{**FEATURES, **options})
+        ]
+        hooks = f"({', '.join(made)}{',' if len(made) == 1 else ''})"
+    except (TypeError, ValueError) as err:
+        hooks = f"(...) once the values are right ({err})"
+    return TypeError(
+        f"LossScaling takes hooks, not the feature keywords of jls.loss_scaling "
+        f"(got {given}). Either make the optax pair with jls.loss_scaling(inner, "
+        f"scaler, {given}), or pass the hooks they stand for: LossScaling(inner, "
+        f"scaler, hooks={hooks})"
+    )
 
 
 def _replica_axes(value: Any) -> tuple[str, ...]:

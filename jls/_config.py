@@ -1,11 +1,12 @@
 """A loss-scaled step's configuration: validated once, frozen, closed over.
 
-`make_config` checks every argument of `jls.loss_scaling` when the
+`make_config` checks every argument of `jls.LossScaling` when the
 transformation is made: the inner optimizer, the scaler, the axis names,
-and the hooks (the keyword options turned into hooks by
-`jls._builtins.hooks_from_options`, names unique, each hook's own
-`Hook.check` against the rest). The step's pure functions (`jls._core`)
-read nothing else.
+and the hooks (after the always-on `NonfiniteLoss`, names unique, each
+hook's own `Hook.check` against the rest). `jls.loss_scaling`'s feature
+keywords reach it already turned into hooks
+(`jls._builtins.hooks_from_options`). The step's pure functions
+(`jls._core`) read nothing else.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from typing import Any
 
 import optax
 
-from jls._builtins import hooks_from_options
+from jls._builtins import checked_hooks
 from jls._dynamic import dynamic_scale
 from jls._inner import Transformation, checked_inner
 from jls._off import is_off
 from jls._rule import LossScaler, checked_scaler
-from jls._validate import axis_names, flag
+from jls._validate import axis_names
 from jls.hooks._hooks import Hook, HookContext
+from jls.hooks._nonfinite_loss import NonfiniteLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,14 +36,12 @@ class Config:
       scaler: the `jls.LossScaler`.
       axis_name: the axes replicas agree over, a tuple (empty without one).
       hooks: every hook the step consults, in order, names unique.
-      donated: whether the caller's step donates the state.
     """
 
     inner: optax.GradientTransformationExtraArgs
     scaler: LossScaler
     axis_name: tuple[str, ...]
     hooks: tuple[Hook, ...]
-    donated: bool
 
     @property
     def off(self) -> bool:
@@ -65,10 +65,13 @@ def make_config(
     *,
     axis_name: Any,
     hooks: Sequence[Hook],
-    donated: Any,
-    **options: Any,
 ) -> Config:
-    """A validated `Config`; ``options`` are `hooks_from_options`' keywords.
+    """A validated `Config`: `NonfiniteLoss`, then ``hooks``.
+
+    `NonfiniteLoss` is always on: it skips for every scaler that skips
+    non-finite steps, and only records for one configured to apply them
+    (MindSpore's ``drop_overflow_update=False``, the off switch), so the
+    metrics have the same keys in every setting.
 
     Raises:
       TypeError, ValueError: naming the argument, for a bad value, two hooks
@@ -77,12 +80,11 @@ def make_config(
     inner = checked_inner(inner)
     scaler = dynamic_scale() if scaler is None else checked_scaler(scaler)
     axes = axis_names("axis_name", axis_name)
-    donated = flag("donated", donated)
-    found = hooks_from_options(hooks, skip_nonfinite=scaler.skip_nonfinite, **options)
+    found = (NonfiniteLoss(skips=scaler.skip_nonfinite), *checked_hooks(hooks))
     names = [h.name for h in found]
     if len(set(names)) != len(names):
         raise ValueError(f"hooks must have distinct names, got {names}")
-    context = HookContext(scaler, axes, found, donated)
+    context = HookContext(scaler, axes, found)
     for hook in found:
         hook.check(context)
-    return Config(inner, scaler, axes, found, donated)
+    return Config(inner, scaler, axes, found)

@@ -7,12 +7,14 @@ step left in the state (the scale and counters, and each hook's metrics).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import optax
 
+from jls._builtins import hooks_from_options
 from jls._core import step
 from jls._inner import Transformation
 from jls._rule import LossScaler
@@ -88,14 +90,14 @@ def loss_scaling(
     scaler: LossScaler | None = None,
     *,
     axis_name: str | tuple[str, ...] | None = None,
+    hooks: Sequence[Hook] = (),
     diagnostics: bool = False,
     max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
     gradient_norm: bool = False,
     skip_spikes: SpikeRule | None = None,
     check_replicas: bool | str | tuple[str, ...] = False,
-    hooks: Sequence[Hook] = (),
-    donated: bool = False,
     scale_stats: Any = False,
+    donated: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer with loss scaling.
 
@@ -131,6 +133,11 @@ def loss_scaling(
         the axis first (or use ``jls.train_step(..., average_over=...)``).
         Not needed under ``jit`` with sharded arrays, where the check is
         already global.
+      hooks: `jls.hooks.Hook` objects the step consults (a veto of your own,
+        say), after the built-in ones the feature keywords below stand for.
+        The feature keywords are a convenience of this function: each is
+        turned into its hook here (``gradient_norm=True`` is
+        ``jls.hooks.GradientNorm()``), and `LossScaling` takes the hooks.
       diagnostics: record which gradient leaves were not finite on the latest
         step (``jls.metrics(...)["nonfinite_leaves"]``,
         `jls.hooks.nonfinite_paths`). Costs nothing on finite steps; a skipped
@@ -165,21 +172,15 @@ def loss_scaling(
         confined to other elements is not. Vetoed finite steps count too.
         Under ``shard_map`` with ``check_vma=True`` jax's types already keep
         replicas equal: nothing is compared.
-      hooks: further `jls.hooks.Hook` objects the step consults (a veto of your
-        own, say); the arguments above add the built-in ones.
-      donated: whether your jitted step donates the parameters and the
-        optimizer state (``jax.jit(step, donate_argnums=...)``). The skip
-        does not read it (since jls 0.4 it compiles without copies either
-        way: ``docs/performance.md``); `jls.hooks.ScaleStats` with
-        ``every > 1`` needs it (its sampling conditional pays only with
-        donation), and ``jls.flax`` keeps a skipped step's other fields with
-        a conditional when it is set.
       scale_stats: ``True`` (or a floating dtype, default float16): record
         what the scale does to the scaled gradients in that compute dtype,
         ``jls.metrics(...)["underflow_fraction"]`` (the fraction of entries
         below its smallest normal, zeros included) and ``["headroom_bits"]``
         (``log2(dtype max / max |g|)``, ``-inf`` after a non-finite step);
         or a `jls.hooks.ScaleStats` (``every=n``: measure one step in ``n``).
+      donated: deprecated and ignored (a DeprecationWarning; removed in the
+        next release): the skip compiles without copies whether or not your
+        step donates (``docs/performance.md``).
 
     Returns:
       ``LossScaling(...).gradient_transformation()``: an
@@ -204,19 +205,25 @@ def loss_scaling(
       >>> updates["w"], jls.metrics(state)["loss_scale"]
       (Array([-0., -0.], dtype=float32), Array(2., dtype=float32))
     """
-    return LossScaling(
-        inner,
-        scaler,
-        axis_name=axis_name,
+    if donated is not None:
+        warnings.warn(
+            f"loss_scaling(donated={donated!r}) is deprecated and ignored: the "
+            "skip compiles without copies whether or not the step donates. "
+            "Remove the argument; it is removed in the next release of jls.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    options = hooks_from_options(
+        hooks,
         diagnostics=diagnostics,
         max_consecutive_skips=max_consecutive_skips,
         gradient_norm=gradient_norm,
         skip_spikes=skip_spikes,
         check_replicas=check_replicas,
-        hooks=hooks,
-        donated=donated,
         scale_stats=scale_stats,
-    ).gradient_transformation()
+    )
+    scaling = LossScaling(inner, scaler, axis_name=axis_name, hooks=options)
+    return scaling.gradient_transformation()
 
 
 def apply_gradients(

@@ -16,14 +16,13 @@ from typing import Any, cast
 
 import optax
 
+from jls._builtins import keywords_refused
 from jls._composition import check_not_masked, not_loss_scaling
 from jls._config import Config, make_config
 from jls._core import step
 from jls._inner import Transformation
 from jls._rule import LossScaler
-from jls.hooks._divergence import DIVERGENCE_LIMIT
 from jls.hooks._hooks import Hook, LossScalingState
-from jls.hooks._spikes import SpikeRule
 
 
 class LossScaling:
@@ -31,7 +30,21 @@ class LossScaling:
 
     Made by `jls.loss_scaling`, which returns its `gradient_transformation`
     (the optax pair); `jls.apply_gradients` and `jls.train_step` use it too.
-    Arguments: as for `jls.loss_scaling`.
+
+    It takes the hooks themselves, not `jls.loss_scaling`'s feature keywords
+    (``gradient_norm=True`` is ``hooks=(jls.hooks.GradientNorm(),)`` here),
+    and so has no default divergence flag: that is ``loss_scaling``'s
+    ``max_consecutive_skips``, or ``hooks=(jls.hooks.Divergence(1000),)``.
+    The hook that holds the scale on a non-finite loss is always on.
+
+    Args:
+      inner: the optimizer to wrap (any ``optax.GradientTransformation``).
+      scaler: a `LossScaler`; default ``jls.dynamic_scale()``.
+      axis_name: the axis name (or names) replicas agree over, as for
+        `jls.loss_scaling`.
+      hooks: the `jls.hooks.Hook` objects the step consults, in order.
+      **options: refused: a feature keyword of `jls.loss_scaling` raises a
+        TypeError naming the hooks it stands for.
 
     The state is a `jls.LossScalingState`: ``loss_scale`` (a
     `jls.LossScaleState`), ``inner_state`` (the wrapped optimizer's, bitwise
@@ -40,7 +53,7 @@ class LossScaling:
 
     Attributes:
       config: the frozen configuration (``inner``, ``scaler``, ``axis_name``,
-        ``hooks``, ``donated``), each also an attribute of this object.
+        ``hooks``), each also an attribute of this object.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -61,39 +74,22 @@ class LossScaling:
         *,
         axis_name: str | tuple[str, ...] | None = None,
         hooks: Sequence[Hook] = (),
-        diagnostics: bool = False,
-        max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
-        gradient_norm: bool = False,
-        skip_spikes: SpikeRule | None = None,
-        check_replicas: bool | str | tuple[str, ...] = False,
-        donated: bool = False,
-        scale_stats: Any = False,
+        **options: Any,
     ) -> None:
-        self.config = make_config(
-            inner,
-            scaler,
-            axis_name=axis_name,
-            hooks=hooks,
-            donated=donated,
-            diagnostics=diagnostics,
-            max_consecutive_skips=max_consecutive_skips,
-            gradient_norm=gradient_norm,
-            skip_spikes=skip_spikes,
-            check_replicas=check_replicas,
-            scale_stats=scale_stats,
-        )
+        if options:  # jls.loss_scaling's feature keywords: say which hooks
+            raise keywords_refused(options)
+        self.config = make_config(inner, scaler, axis_name=axis_name, hooks=hooks)
 
     inner = property(lambda self: self.config.inner, doc="The wrapped optimizer.")
     scaler = property(lambda self: self.config.scaler, doc="The `jls.LossScaler`.")
     axis_name = property(lambda self: self.config.axis_name, doc="The axes.")
     hooks = property(lambda self: self.config.hooks, doc="The hooks, in order.")
-    donated = property(lambda self: self.config.donated, doc="Donation declared.")
 
     def __repr__(self) -> str:
         c = self.config
         return (
             f"LossScaling(inner={c.inner!r:.80}, scaler={c.scaler!r}, axis_name="
-            f"{c.axis_name!r}, hooks={c.hooks!r}, donated={c.donated!r})"
+            f"{c.axis_name!r}, hooks={c.hooks!r})"
         )
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:

@@ -109,7 +109,7 @@ class TrainState(train_state.TrainState):
         if fp8:
             new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
             old[OVERWRITE_WITH_GRADIENT] = self.params[OVERWRITE_WITH_GRADIENT]
-        kept = new if off else _unless_skipped(applied, new, old, config.donated)
+        kept = new if off else _unless_skipped(applied, new, old, False)
         if fp8:
             new_params = {
                 "params": new_params,
@@ -212,7 +212,7 @@ class Optimizer(nnx.Optimizer):
         applied = jnp.asarray(True) if off else ~metrics(opt_state)["skipped"]
         if self.keep is not None and not off:
             now = _pure(nnx.state(model, self.keep, **graph))
-            kept = _unless_skipped(applied, now, _pure(self.kept), config.donated)
+            kept = _unless_skipped(applied, now, _pure(self.kept), False)
             nnx.update(model, kept)
             nnx.update(self.kept, to_opt_state(kept))
         self.step[...] += applied.astype(self.step[...].dtype)

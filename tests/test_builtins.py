@@ -1,6 +1,7 @@
-"""`loss_scaling`'s keyword arguments are the built-in hooks, in one order."""
+"""`loss_scaling`'s feature keywords are the built-in hooks, in one order."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -9,20 +10,24 @@ import optax
 import pytest
 
 import jls
+from jls._builtins import FEATURES, hooks_from_options
+from jls._loss_scaling import loss_scaling
 from jls._transformation import config_of
 from jls.hooks._divergence import Divergence
 from jls.hooks._nonfinite_loss import NonfiniteLoss
+from jls.hooks._norm import GradientNorm
 
 
 def test_the_keywords_are_hooks_in_order():
     rule = jls.hooks.SpikeRule()
-    scaling = jls.LossScaling(
+    tx = jls.loss_scaling(
         optax.sgd(0.1),
         diagnostics=True,
         max_consecutive_skips=5,
         gradient_norm=True,
         skip_spikes=rule,
     )
+    scaling = config_of(tx)
     names = [h.name for h in scaling.hooks]
     assert names == [
         "nonfinite_loss",
@@ -34,13 +39,11 @@ def test_the_keywords_are_hooks_in_order():
     assert scaling.hooks[-1] is rule
     # On by default: the non-finite loss's hold and the divergence flag; a
     # scaler that applies non-finite steps applies a non-finite loss's too.
-    default = jls.LossScaling(optax.sgd(0.1))
+    default = config_of(jls.loss_scaling(optax.sgd(0.1)))
     assert [h.name for h in default.hooks] == ["nonfinite_loss", "divergence"]
     divergence = default.hooks[1]
     assert isinstance(divergence, Divergence) and divergence.limit == 1000
-    applying = jls.LossScaling(
-        optax.sgd(0.1), jls.no_scale(skip_nonfinite=False), max_consecutive_skips=None
-    )
+    applying = jls.LossScaling(optax.sgd(0.1), jls.no_scale(skip_nonfinite=False))
     # It only records a non-finite loss: the metrics keep their keys.
     (recorder,) = applying.hooks
     assert isinstance(recorder, NonfiniteLoss) and not recorder.skips
@@ -48,11 +51,13 @@ def test_the_keywords_are_hooks_in_order():
 
 def test_hook_names_are_distinct():
     with pytest.raises(ValueError, match="distinct names"):
-        jls.LossScaling(
+        jls.loss_scaling(
             optax.sgd(0.1),
             skip_spikes=jls.hooks.SpikeRule(),
             hooks=[jls.hooks.SpikeRule()],
         )
+    with pytest.raises(ValueError, match="distinct names"):
+        jls.LossScaling(optax.sgd(0.1), hooks=[GradientNorm(), GradientNorm()])
 
 
 @pytest.mark.parametrize(
@@ -67,6 +72,23 @@ def test_hook_names_are_distinct():
 def test_the_keywords_are_checked_by_name(kwargs, error, match):
     with pytest.raises(error, match=match):
         jls.loss_scaling(optax.sgd(0.1), **kwargs)
+
+
+def test_the_feature_keywords_are_loss_scalings_and_one_function_reads_them():
+    # One place: loss_scaling's keywords (beyond the object's arguments and
+    # the deprecated donated=) are exactly those hooks_from_options reads,
+    # with the same defaults.
+    ours = inspect.signature(loss_scaling).parameters
+    features = {
+        name: p.default
+        for name, p in ours.items()
+        if name not in ("inner", "scaler", "axis_name", "hooks", "donated")
+    }
+    assert features == FEATURES
+    theirs = inspect.signature(hooks_from_options).parameters
+    assert set(theirs) == {"hooks", *FEATURES}
+    assert hooks_from_options() == ()
+    assert hooks_from_options(**FEATURES) == (Divergence(1000),)
 
 
 NAN_STEP = {"w": jnp.array([1.0, jnp.nan]), "b": jnp.array([jnp.inf])}

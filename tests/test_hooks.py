@@ -159,14 +159,11 @@ def test_a_holding_veto_leaves_the_scale_rule_where_it_was():
     assert float(jls.metrics(other)["loss_scale"]) == 2.0**9
 
 
-@pytest.mark.parametrize("donated", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(donated, fused):
+def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(fused):
     # sgd(0.5): the updates are -0.5 * g; read on calls 0, 2, 4 (call 2 is
     # skipped: nothing read), held between.
-    tx = jls.loss_scaling(
-        optax.sgd(0.5), jls.no_scale(), hooks=[SumUpdates()], donated=donated
-    )
+    tx = jls.loss_scaling(optax.sgd(0.5), jls.no_scale(), hooks=[SumUpdates()])
 
     def step(g, s, p):
         if fused:
@@ -254,3 +251,21 @@ def test_no_registry_a_user_hook_cannot_replace_a_built_in_hooks_metrics():
 def test_two_hooks_of_one_name_are_refused_at_construction():
     with pytest.raises(ValueError, match="distinct names"):
         jls.loss_scaling(optax.sgd(0.1), hooks=[Shadow(), Shadow()])
+
+
+def test_a_hook_checks_itself_against_the_scaler_the_axes_and_the_hooks():
+    seen = []
+
+    class Looks(jls.hooks.Hook):
+        name = "looks"
+
+        def check(self, context):
+            seen.append(context)
+
+    looks = Looks()
+    scaler = jls.static_scale(4.0)
+    jls.loss_scaling(optax.sgd(0.1), scaler, axis_name="batch", hooks=[looks])
+    (context,) = seen
+    assert context._fields == ("scaler", "axis_name", "hooks")  # no donated
+    assert context.scaler == scaler and context.axis_name == ("batch",)
+    assert [h.name for h in context.hooks] == ["nonfinite_loss", "divergence", "looks"]

@@ -1,8 +1,11 @@
-"""The package: public and deprecated names, lazy `jls.flax`, a quiet import."""
+"""The package: its public names (at most 60), lazy `jls.flax`, a quiet import."""
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
+import importlib
+
 import jax
+import pytest
 
 import jls
 
@@ -62,6 +65,50 @@ def test_public_names():
             "headroom",
         )
     )
+
+
+NAMESPACES = ("hooks", "precision", "presets")
+
+
+def _public_names():
+    """Every public name, qualified: the union the surface is counted by."""
+    import jls.flax
+
+    names = {f"jls.{n}" for n in jls.__all__ if n not in NAMESPACES}
+    for space in NAMESPACES:
+        names |= {f"jls.{space}.{n}" for n in getattr(jls, space).__all__}
+    classes = [n for n, v in vars(jls.flax).items() if isinstance(v, type)]
+    names |= {
+        f"jls.flax.{n}"
+        for n in classes
+        if getattr(jls.flax, n).__module__ == "jls.flax"
+    }
+    return names
+
+
+def test_at_most_60_public_names():
+    names = _public_names()
+    assert len(names) <= 60, (len(names), sorted(names))
+    # The state types of the built-in hooks are records read through
+    # jls.metrics, not names to import; the always-on hook is not a name to
+    # pass; the state dicts are one pair.
+    assert not any(n.endswith("State") for n in names if n.startswith("jls.hooks."))
+    assert "jls.hooks.NonfiniteLoss" not in names
+    assert {n for n in names if "state_dict" in n} == {
+        "jls.presets.to_state_dict",
+        "jls.presets.from_state_dict",
+    }
+    assert {"jls.flax.TrainState", "jls.flax.Optimizer"} <= names
+
+
+@pytest.mark.parametrize("space", ["jls", *(f"jls.{n}" for n in NAMESPACES)])
+def test_a_namespace_has_no_public_name_outside_its_all(space):
+    module = importlib.import_module(space)
+    # jls.flax is a submodule: an attribute of jls once imported (its classes
+    # are counted above).
+    extra = {n for n in dir(module) if not n.startswith("_")} - set(module.__all__)
+    assert extra <= ({"flax"} if space == "jls" else set()), sorted(extra)
+    assert all(hasattr(module, n) for n in module.__all__)
 
 
 def test_import_starts_no_backend():

@@ -26,6 +26,9 @@ import jls
 P = jls.presets
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)
+FRAMEWORKS = ("torch", "paddle", "megatron")
+TO = {f: functools.partial(P.to_state_dict, framework=f) for f in FRAMEWORKS}
+FROM = {f: functools.partial(P.from_state_dict, framework=f) for f in FRAMEWORKS}
 INITS = [2.0**-120, 1.0, 3.0, 1000.0, 2.0**16, 2.0**120, F32_MAX / 4]
 
 
@@ -298,7 +301,7 @@ def test_paddle_vector_through_state_import():
         "decr_count": c["initial_counts"]["bad_steps"],
         "use_dynamic_loss_scaling": True,
     }
-    scaler, state = P.from_paddle_state_dict(sd)
+    scaler, state = P.from_state_dict(sd, framework="paddle")
     for finite, expected in [(True, 4096.0), (False, 1638.4)]:
         after = scaler.adjust(state, finite)
         assert np.float32(after.scale) == np.float32(expected)
@@ -445,8 +448,8 @@ def test_torch_state_dict_round_trip_resumes_exactly(finite, more):
     ref = peers.Torch(init_scale=2.0**10, growth_interval=3)
     for f in finite:
         ref.step(f)
-    assume(_sane(ref.scale))
-    sd = P.to_torch_state_dict(scaler, state)
+        assume(_sane(ref.scale))  # the peer stayed sane all along
+    sd = P.to_state_dict(scaler, state, framework="torch")
     assert sd == {
         "scale": float(ref.scale),
         "growth_factor": 2.0,
@@ -454,10 +457,12 @@ def test_torch_state_dict_round_trip_resumes_exactly(finite, more):
         "growth_interval": 3,
         "_growth_tracker": ref._growth_tracker,
     }
-    scaler2, state2 = P.from_torch_state_dict(sd)
+    scaler2, state2 = P.from_state_dict(sd, framework="torch")
     assert scaler2.growth_interval == 3
     _assert_resumes(scaler2, state2, ref, more)
-    assert P.from_torch_state_dict({})[0] == jls.no_scale(skip_nonfinite=False)
+    assert P.from_state_dict({}, framework="torch")[0] == jls.no_scale(
+        skip_nonfinite=False
+    )
 
 
 @given(finite=SEQUENCES, more=SEQUENCES)
@@ -469,11 +474,11 @@ def test_paddle_state_dict_round_trip_resumes_exactly(finite, more):
     state = _run(scaler, scaler.init(), finite)
     for f in finite:
         ref.step(f)
-    assume(_sane(ref.scale))
-    sd = P.to_paddle_state_dict(scaler, state)
+        assume(_sane(ref.scale))  # the peer stayed sane all along
+    sd = P.to_state_dict(scaler, state, framework="paddle")
     assert (sd["incr_count"], sd["decr_count"]) == (ref._incr_count, ref._decr_count)
     assert sd["scale"].dtype == np.float32 and sd["scale"][0] == ref.scale
-    scaler2, state2 = P.from_paddle_state_dict(sd)
+    scaler2, state2 = P.from_state_dict(sd, framework="paddle")
     assert scaler2 == scaler.__class__(
         **{**scaler.__dict__, "init_scale": scaler2.init_scale}
     )
@@ -492,13 +497,15 @@ def test_megatron_state_dict_round_trip_resumes_exactly(finite, more):
     state = _run(scaler, scaler.init(), finite)
     for f in finite:
         ref.step(f)
-    assume(_sane(ref.scale))
-    sd = P.to_megatron_state_dict(scaler, state)
+        assume(_sane(ref.scale))  # the peer stayed sane all along
+    sd = P.to_state_dict(scaler, state, framework="megatron")
     assert sd["growth_tracker"] == ref._growth_tracker
     assert sd["hysteresis_tracker"] == max(ref._hysteresis_tracker, 0)
     # Megatron's own (possibly negative) tracker imports the same way.
     sd["hysteresis_tracker"] = ref._hysteresis_tracker
-    scaler2, state2 = P.from_megatron_state_dict(sd, growth_interval=3, hysteresis=3)
+    scaler2, state2 = P.from_state_dict(
+        sd, framework="megatron", growth_interval=3, hysteresis=3
+    )
     _assert_resumes(scaler2, state2, ref, more)
 
 
@@ -511,13 +518,13 @@ def test_resuming_a_torch_run_inside_an_optax_state():
         "growth_interval": 2,
         "_growth_tracker": 1,
     }
-    scaler, ls = P.from_torch_state_dict(sd)
+    scaler, ls = P.from_state_dict(sd, framework="torch")
     tx = jls.loss_scaling(optax.sgd(0.1), scaler)
     opt_state = jls.set_loss_scale(tx.init(params), ls)
     grads = {"w": jnp.full((3,), 4096.0)}
     _, opt_state = jax.jit(tx.update)(grads, opt_state, params)
     assert float(jls.metrics(opt_state)["loss_scale"]) == 8192.0  # torch grows here
-    assert P.to_torch_state_dict(scaler, opt_state)["_growth_tracker"] == 0
+    assert P.to_state_dict(scaler, opt_state, framework="torch")["_growth_tracker"] == 0
 
 
 def test_bad_state_dicts():
@@ -529,12 +536,13 @@ def test_bad_state_dicts():
         "_growth_tracker": 0,
     }
     with pytest.raises(ValueError, match="_growth_tracker must be < growth_interval"):
-        P.from_torch_state_dict(dict(good, _growth_tracker=2))
+        P.from_state_dict(dict(good, _growth_tracker=2), framework="torch")
     with pytest.raises(ValueError, match=r"\['scale'\] must be finite"):
-        P.from_torch_state_dict(dict(good, scale=float("inf")))
+        P.from_state_dict(dict(good, scale=float("inf")), framework="torch")
     with pytest.raises(ValueError, match="growth_tracker must be < growth_interval"):
-        P.from_megatron_state_dict(
-            {"scale": 8.0, "growth_tracker": 5000, "hysteresis_tracker": 2}
+        P.from_state_dict(
+            {"scale": 8.0, "growth_tracker": 5000, "hysteresis_tracker": 2},
+            framework="megatron",
         )
     with pytest.raises(
         TypeError,
@@ -593,23 +601,23 @@ def test_errors_name_the_argument_the_user_gave(make, match):
 @pytest.mark.parametrize(
     "scaler, to, fields",
     [
-        (jls.no_scale(), P.to_torch_state_dict, "growth_factor must be > 1.0"),
-        (jls.static_scale(8.0), P.to_torch_state_dict, "growth_factor must be > 1.0"),
-        (jls.dynamic_scale(hysteresis=2), P.to_torch_state_dict, "hysteresis=2"),
-        (jls.dynamic_scale(hysteresis=2), P.to_paddle_state_dict, "hysteresis=2"),
+        (jls.no_scale(), TO["torch"], "growth_factor must be > 1.0"),
+        (jls.static_scale(8.0), TO["torch"], "growth_factor must be > 1.0"),
+        (jls.dynamic_scale(hysteresis=2), TO["torch"], "hysteresis=2"),
+        (jls.dynamic_scale(hysteresis=2), TO["paddle"], "hysteresis=2"),
         (
             jls.dynamic_scale(backoff_divisor=3.0),
-            P.to_torch_state_dict,
+            TO["torch"],
             "backoff_divisor",
         ),
         (
             jls.dynamic_scale(backoff_interval=2),
-            P.to_megatron_state_dict,
+            TO["megatron"],
             "backoff_interval",
         ),
-        (jls.presets.deepspeed(), P.to_torch_state_dict, "first_growth_interval"),
-        (jls.presets.flax(), P.to_paddle_state_dict, "saturate_growth"),
-        (jls.no_scale(), P.to_megatron_state_dict, "growth_factor must be > 1.0"),
+        (jls.presets.deepspeed(), TO["torch"], "first_growth_interval"),
+        (jls.presets.flax(), TO["paddle"], "saturate_growth"),
+        (jls.no_scale(), TO["megatron"], "growth_factor must be > 1.0"),
     ],
 )
 def test_what_a_format_cannot_hold_is_refused(scaler, to, fields):
@@ -620,19 +628,19 @@ def test_what_a_format_cannot_hold_is_refused(scaler, to, fields):
 @pytest.mark.parametrize(
     "scaler, to, back, kwargs",
     [
-        (jls.dynamic_scale(), P.to_torch_state_dict, P.from_torch_state_dict, {}),
-        (P.torch(), P.to_torch_state_dict, P.from_torch_state_dict, {}),
-        (jls.static_scale(8.0), P.to_paddle_state_dict, P.from_paddle_state_dict, {}),
+        (jls.dynamic_scale(), TO["torch"], FROM["torch"], {}),
+        (P.torch(), TO["torch"], FROM["torch"], {}),
+        (jls.static_scale(8.0), TO["paddle"], FROM["paddle"], {}),
         (
             P.paddle(decr_every_n_nan_or_inf=3),
-            P.to_paddle_state_dict,
-            P.from_paddle_state_dict,
+            TO["paddle"],
+            FROM["paddle"],
             {},
         ),
         (
             jls.dynamic_scale(hysteresis=3, growth_interval=7),
-            P.to_megatron_state_dict,
-            P.from_megatron_state_dict,
+            TO["megatron"],
+            FROM["megatron"],
             {"growth_interval": 7, "hysteresis": 3},
         ),
     ],
@@ -709,3 +717,57 @@ def test_the_readme_migration_table_matches_each_frameworks_settings():
         scaler = eval(call, {"jls": jls})  # noqa: S307 (README examples)
         for field, value in want.items():
             assert getattr(scaler, field) == value, (name, field)
+
+
+def test_the_dicts_are_each_frameworks_own_key_for_key():
+    # One state after two finite steps and a non-finite one, every key and
+    # value (and type) each framework's dict holds.
+    def run(scaler):
+        state = scaler.init()
+        for finite in (True, True, False):
+            state = scaler.adjust(state, finite)
+        return state
+
+    torch_scaler = P.torch(init_scale=2.0**10, growth_interval=3)
+    sd = P.to_state_dict(torch_scaler, run(torch_scaler), framework="torch")
+    assert sd == {
+        "scale": 512.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 3,
+        "_growth_tracker": 0,
+    }
+    assert [type(v) for v in sd.values()] == [float, float, float, int, int]
+    paddle = P.paddle(init_loss_scaling=2.0**10, decr_every_n_nan_or_inf=2)
+    sd = P.to_state_dict(paddle, run(paddle), framework="paddle")
+    scale = sd.pop("scale")
+    assert scale.dtype == np.float32 and scale.tolist() == [1024.0]
+    assert sd == {
+        "incr_ratio": 2.0,
+        "decr_ratio": 0.5,
+        "incr_every_n_steps": 2000,
+        "decr_every_n_nan_or_inf": 2,
+        "incr_count": 0,
+        "decr_count": 1,
+        "use_dynamic_loss_scaling": True,
+    }
+    megatron = P.megatron(initial_scale=2.0**20, hysteresis=3)
+    sd = P.to_state_dict(megatron, run(megatron), framework="megatron")
+    assert sd == {"scale": 2.0**20, "growth_tracker": 0, "hysteresis_tracker": 2}
+
+
+@pytest.mark.parametrize("framework", ["jax", "Torch", None, 0])
+def test_the_framework_is_one_of_three_and_named_when_not(framework):
+    scaler = P.torch()
+    match = (
+        r"jls\.presets\.%s: framework must be one of 'torch', 'paddle', "
+        r"'megatron', got " + re.escape(repr(framework))
+    )
+    with pytest.raises(ValueError, match=match % "to_state_dict"):
+        P.to_state_dict(scaler, scaler.init(), framework=framework)
+    with pytest.raises(ValueError, match=match % "from_state_dict"):
+        P.from_state_dict({}, framework=framework)
+    with pytest.raises(TypeError, match="framework"):
+        P.to_state_dict(scaler, scaler.init())  # pyright: ignore[reportCallIssue]
+    with pytest.raises(TypeError, match="framework"):  # keyword-only, no default
+        P.from_state_dict({})  # pyright: ignore[reportCallIssue]

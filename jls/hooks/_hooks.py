@@ -80,13 +80,11 @@ class HookContext(NamedTuple):
       scaler: the transformation's `jls.LossScaler`.
       axis_name: its ``axis_name``, a tuple (empty without one).
       hooks: every hook of the transformation, in order.
-      donated: whether the step says it donates (``donated=True``).
     """
 
     scaler: Any
     axis_name: tuple[str, ...]
     hooks: tuple[Any, ...]
-    donated: bool
 
 
 class StepInfo(NamedTuple):

@@ -14,32 +14,22 @@ scale in float64 Python numbers (MindSpore's manager, DeepSpeed, nnabla) are
 matched exactly for power-of-two factors (their defaults); with other factors
 jls's float32 scale can differ from theirs in the last bits.
 
-State interchange: ``to_torch_state_dict``/``from_torch_state_dict``, the same
-for Paddle, and ``to_megatron_state_dict``/``from_megatron_state_dict`` carry
-a run's scale and counters to and from those frameworks' checkpoints; pair
-them with `jls.set_loss_scale` to put the state into an optimizer
-state.
+State interchange: `to_state_dict` and `from_state_dict` carry a run's scale
+and counters to and from the checkpoints of torch, Paddle and Megatron
+(``framework="torch"``, ``"paddle"``, ``"megatron"``); pair them with
+`jls.set_loss_scale` to put the state into an optimizer state.
 """
 
 from jls.presets._frameworks import mindspore, mindspore_fixed, nnabla, paddle, torch
 from jls.presets._jax import flax, jmp
 from jls.presets._keras import keras, tensorflow, tensorflow_v1
 from jls.presets._llm import deepspeed, megatron
-from jls.presets._state_dicts import (
-    from_megatron_state_dict,
-    from_paddle_state_dict,
-    from_torch_state_dict,
-    to_megatron_state_dict,
-    to_paddle_state_dict,
-    to_torch_state_dict,
-)
+from jls.presets._state_dicts import from_state_dict, to_state_dict
 
 __all__ = [
     "deepspeed",
     "flax",
-    "from_megatron_state_dict",
-    "from_paddle_state_dict",
-    "from_torch_state_dict",
+    "from_state_dict",
     "jmp",
     "keras",
     "megatron",
@@ -49,8 +39,6 @@ __all__ = [
     "paddle",
     "tensorflow",
     "tensorflow_v1",
-    "to_megatron_state_dict",
-    "to_paddle_state_dict",
-    "to_torch_state_dict",
+    "to_state_dict",
     "torch",
 ]

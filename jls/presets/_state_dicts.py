@@ -1,8 +1,9 @@
 """State interchange: a jls run's scale and counters to and from other frameworks.
 
-``to_torch_state_dict``/``from_torch_state_dict``, the same for Paddle, and
-``to_megatron_state_dict``/``from_megatron_state_dict`` carry a run's scale
-and counters to and from those frameworks' checkpoints; pair them with
+`to_state_dict` and `from_state_dict` carry a run's scale and counters to and
+from the checkpoints of torch's and Paddle's ``GradScaler`` and Megatron's
+``DynamicGradScaler`` (``framework="torch"``, ``"paddle"``, ``"megatron"``):
+one pair, since the three differ only in the dict's keys. Pair them with
 `jls.set_loss_scale` to put the state into an optimizer state.
 """
 
@@ -23,6 +24,8 @@ from jls._validate import flag, integer, state_dict_number
 from jls.presets._common import check, preset
 from jls.presets._frameworks import paddle, torch
 from jls.presets._llm import megatron
+
+Resumed = tuple[LossScaler, LossScaleState]
 
 
 def _state_dict(state_dict: Any) -> Mapping[str, Any]:
@@ -56,8 +59,8 @@ def _disabled(scaler: LossScaler) -> bool:
 def _same_rule(scaler: LossScaler, rebuilt: Callable[[], LossScaler], fmt: str) -> None:
     """Refuses ``scaler`` unless ``rebuilt()`` (from ``fmt``'s dict) is the same rule.
 
-    The state dict is read back by the framework (and by the matching
-    ``from_*_state_dict``) as ``rebuilt()``; every field but the first
+    The state dict is read back by the framework (and by `from_state_dict`)
+    as ``rebuilt()``; every field but the first
     scale and growth count (the dict carries the current ones) must match,
     so that the round trip is exact. Anything else is refused, naming what
     the format cannot hold.
@@ -86,27 +89,7 @@ def _same_rule(scaler: LossScaler, rebuilt: Callable[[], LossScaler], fmt: str) 
         )
 
 
-@preset
-def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
-    """The ``torch.amp.GradScaler.state_dict()`` of a jls run.
-
-    Args:
-      scaler: the run's scaler (its config fills torch's config keys).
-      opt_state: an optimizer state containing the run's `LossScaleState`,
-        or the `LossScaleState`.
-
-    Returns:
-      ``{"scale", "growth_factor", "backoff_factor", "growth_interval",
-      "_growth_tracker"}`` as Python numbers, ready for
-      ``GradScaler.load_state_dict``; ``{}`` for a disabled scaler
-      (``torch(enabled=False)``), as torch's own disabled ``state_dict()``.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.presets.torch(init_scale=1024.0)
-      >>> jls.presets.to_torch_state_dict(scaler, scaler.init())["scale"]
-      1024.0
-    """
+def _to_torch(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     scaler = _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
@@ -132,31 +115,8 @@ def to_torch_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     }
 
 
-@preset
-def from_torch_state_dict(
-    state_dict: Mapping[str, Any], **kwargs: Any
-) -> tuple[LossScaler, LossScaleState]:
-    """A jls scaler and state resuming a ``torch.amp.GradScaler`` checkpoint.
-
-    Args:
-      state_dict: ``GradScaler.state_dict()``; an empty dict (a disabled
-        scaler's) gives the disabled preset.
-      **kwargs: further `torch` preset arguments (``min_scale``,
-        ``max_scale``, ``enabled``). With ``enabled=False`` the state dict is
-        ignored, as torch's disabled ``load_state_dict`` ignores it.
-
-    Returns:
-      ``(scaler, state)``: the same scale, config and growth tracker.
-
-    Example:
-      >>> import jls
-      >>> sd = {"scale": 512.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-      ...       "growth_interval": 100, "_growth_tracker": 7}
-      >>> scaler, state = jls.presets.from_torch_state_dict(sd)
-      >>> float(state.scale), int(state.growth_count), scaler.growth_interval
-      (512.0, 7, 100)
-    """
-    state_dict = _state_dict(state_dict)
+def _from_torch(state_dict: Mapping[str, Any], **kwargs: Any) -> Resumed:
+    # enabled=False ignores the dict, as torch's disabled load_state_dict does.
     if not state_dict or not flag("enabled", kwargs.get("enabled", True)):
         scaler = torch(**dict(kwargs, enabled=False))
         return scaler, scaler.init()
@@ -177,21 +137,7 @@ def from_torch_state_dict(
     return scaler, make_state(scale, growth_count=tracker)
 
 
-@preset
-def to_paddle_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
-    """The ``paddle.amp.GradScaler.state_dict()`` of a jls run.
-
-    ``scale`` is a float32 numpy array of shape ``[1]`` (Paddle keeps a
-    tensor there); the counters are Python ints. A disabled scaler
-    (``paddle(enable=False)``) gives ``{}``, which `from_paddle_state_dict`
-    reads back as the disabled preset.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.presets.paddle()
-      >>> jls.presets.to_paddle_state_dict(scaler, scaler.init())["incr_count"]
-      0
-    """
+def _to_paddle(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     scaler = _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     if _disabled(scaler):
@@ -222,34 +168,7 @@ def to_paddle_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     }
 
 
-@preset
-def from_paddle_state_dict(
-    state_dict: Mapping[str, Any], **kwargs: Any
-) -> tuple[LossScaler, LossScaleState]:
-    """A jls scaler and state resuming a ``paddle.amp.GradScaler`` checkpoint.
-
-    Args:
-      state_dict: ``GradScaler.state_dict()``; an empty dict (a disabled
-        scaler's) gives the disabled preset.
-      **kwargs: further `paddle` preset arguments (``min_scale``,
-        ``max_scale``, ``enable``). With ``enable=False`` the state dict is
-        ignored.
-
-    Returns:
-      ``(scaler, state)`` with Paddle's scale, ratios, ``incr_count`` and
-      ``decr_count``.
-
-    Example:
-      >>> import jls
-      >>> sd = {"scale": [2048.0], "incr_ratio": 2.0, "decr_ratio": 0.8,
-      ...       "incr_every_n_steps": 1000, "decr_every_n_nan_or_inf": 2,
-      ...       "incr_count": 999, "decr_count": 1,
-      ...       "use_dynamic_loss_scaling": True}
-      >>> scaler, state = jls.presets.from_paddle_state_dict(sd)
-      >>> float(scaler.adjust(state, True).scale)
-      4096.0
-    """
-    state_dict = _state_dict(state_dict)
+def _from_paddle(state_dict: Mapping[str, Any], **kwargs: Any) -> Resumed:
     if not state_dict or not flag("enable", kwargs.get("enable", True)):
         scaler = paddle(**dict(kwargs, enable=False))
         return scaler, scaler.init()
@@ -283,19 +202,7 @@ def from_paddle_state_dict(
     return scaler, make_state(scale, growth_count=incr, backoff_count=decr)
 
 
-@preset
-def to_megatron_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
-    """The ``DynamicGradScaler.state_dict()`` of a jls run.
-
-    ``{"scale", "growth_tracker", "hysteresis_tracker"}``; Megatron keeps its
-    config in its training arguments, not in this dict.
-
-    Example:
-      >>> import jls
-      >>> scaler = jls.presets.megatron()
-      >>> jls.presets.to_megatron_state_dict(scaler, scaler.init())
-      {'scale': 4294967296.0, 'growth_tracker': 0, 'hysteresis_tracker': 2}
-    """
+def _to_megatron(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
     scaler = _check_exportable(scaler)
     state = loss_scale_state(opt_state)
     _same_rule(
@@ -318,30 +225,8 @@ def to_megatron_state_dict(scaler: LossScaler, opt_state: Any) -> dict[str, Any]
     }
 
 
-@preset
-def from_megatron_state_dict(
-    state_dict: Mapping[str, Any], **kwargs: Any
-) -> tuple[LossScaler, LossScaleState]:
-    """A jls scaler and state resuming a Megatron ``DynamicGradScaler``.
-
-    Args:
-      state_dict: ``{"scale", "growth_tracker", "hysteresis_tracker"}``.
-      **kwargs: the run's `megatron` preset arguments (``min_scale``,
-        ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``hysteresis``); ``initial_scale`` comes from the dict.
-
-    Returns:
-      ``(scaler, state)``. A ``hysteresis_tracker`` at or below 0 (Megatron
-      lets it go negative) means the hysteresis is spent.
-
-    Example:
-      >>> import jls
-      >>> sd = {"scale": 2.0**20, "growth_tracker": 3, "hysteresis_tracker": 1}
-      >>> scaler, state = jls.presets.from_megatron_state_dict(sd)
-      >>> int(state.backoff_count), float(scaler.adjust(state, False).scale)
-      (1, 524288.0)
-    """
-    state_dict = _state_dict(state_dict)
+def _from_megatron(state_dict: Mapping[str, Any], **kwargs: Any) -> Resumed:
+    # A hysteresis_tracker at or below 0 (Megatron lets it go negative): spent.
     scale = state_dict_number("state_dict['scale']", state_dict["scale"])
     scaler = megatron(initial_scale=scale, **kwargs)
     assert isinstance(scaler, DynamicScale)
@@ -353,3 +238,105 @@ def from_megatron_state_dict(
     hyst = integer("hysteresis_tracker", state_dict["hysteresis_tracker"], -(2**31))
     spent = min(max(scaler.hysteresis - int(hyst), 0), scaler.hysteresis)
     return scaler, make_state(scale, growth_count=tracker, backoff_count=spent)
+
+
+_WRITERS = {"torch": _to_torch, "paddle": _to_paddle, "megatron": _to_megatron}
+_READERS = {"torch": _from_torch, "paddle": _from_paddle, "megatron": _from_megatron}
+
+
+def _framework(framework: Any) -> str:
+    if not isinstance(framework, str) or framework not in _WRITERS:
+        raise ValueError(
+            "framework must be one of 'torch', 'paddle', 'megatron', got "
+            f"{framework!r:.200}"
+        )
+    return framework
+
+
+@preset
+def to_state_dict(
+    scaler: LossScaler, opt_state: Any, *, framework: str
+) -> dict[str, Any]:
+    """The loss scaler's ``state_dict()`` that ``framework`` would write.
+
+    Args:
+      scaler: the run's scaler: a dynamic rule the framework can hold (a
+        torch scaler has no hysteresis, Megatron no ``backoff_interval``, ...;
+        anything else is refused, naming it, as the run would not resume as
+        it is). Its config fills the framework's config keys.
+      opt_state: an optimizer state containing the run's `LossScaleState`,
+        or the `LossScaleState`.
+      framework: whose dict:
+
+        * ``"torch"``: ``torch.amp.GradScaler``'s, ``{"scale",
+          "growth_factor", "backoff_factor", "growth_interval",
+          "_growth_tracker"}`` as Python numbers; ``{}`` for a disabled
+          scaler (``torch(enabled=False)``), as torch's own.
+        * ``"paddle"``: ``paddle.amp.GradScaler``'s: ``scale`` a float32
+          numpy array of shape ``[1]`` (Paddle keeps a tensor there), the
+          ratios, intervals and counters (``incr_count``, ``decr_count``) as
+          Python numbers; ``{}`` for ``paddle(enable=False)``.
+        * ``"megatron"``: ``DynamicGradScaler``'s, ``{"scale",
+          "growth_tracker", "hysteresis_tracker"}``; Megatron keeps its
+          config in its training arguments, not in this dict.
+
+    Returns:
+      The dict, ready for the framework's ``load_state_dict``.
+
+    Raises:
+      ValueError: for another ``framework``, or a scaler its dict cannot hold.
+
+    Example:
+      >>> import jls
+      >>> scaler = jls.presets.torch(init_scale=1024.0)
+      >>> sd = jls.presets.to_state_dict(scaler, scaler.init(), framework="torch")
+      >>> sd["scale"], sd["growth_interval"], sd["_growth_tracker"]
+      (1024.0, 2000, 0)
+      >>> scaler = jls.presets.megatron()
+      >>> jls.presets.to_state_dict(scaler, scaler.init(), framework="megatron")
+      {'scale': 4294967296.0, 'growth_tracker': 0, 'hysteresis_tracker': 2}
+    """
+    return _WRITERS[_framework(framework)](scaler, opt_state)
+
+
+@preset
+def from_state_dict(
+    state_dict: Mapping[str, Any], *, framework: str, **kwargs: Any
+) -> Resumed:
+    """A jls scaler and state resuming ``framework``'s loss scaler checkpoint.
+
+    Args:
+      state_dict: the framework's ``state_dict()`` (see `to_state_dict`). An
+        empty dict (a disabled torch or Paddle scaler's) gives that disabled
+        preset.
+      framework: ``"torch"``, ``"paddle"`` or ``"megatron"``.
+      **kwargs: further arguments of that preset (`torch`, `paddle`,
+        `megatron`), e.g. ``min_scale``, ``max_scale``. torch's
+        ``enabled=False`` and Paddle's ``enable=False`` ignore the dict, as
+        their disabled ``load_state_dict`` does. Megatron's dict holds no
+        config: give the run's (``growth_interval``, ``hysteresis``, ...);
+        its ``initial_scale`` comes from the dict.
+
+    Returns:
+      ``(scaler, state)``: the dict's scale, config and counters. A Megatron
+      ``hysteresis_tracker`` at or below 0 (it can go negative) means the
+      hysteresis is spent.
+
+    Raises:
+      ValueError: for another ``framework``, or a dict the framework would
+        not write (a counter past its interval, a non-finite scale).
+
+    Example:
+      >>> import jls
+      >>> sd = {"scale": 512.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+      ...       "growth_interval": 100, "_growth_tracker": 7}
+      >>> scaler, state = jls.presets.from_state_dict(sd, framework="torch")
+      >>> float(state.scale), int(state.growth_count), scaler.growth_interval
+      (512.0, 7, 100)
+      >>> sd = {"scale": 2.0**20, "growth_tracker": 3, "hysteresis_tracker": 1}
+      >>> scaler, state = jls.presets.from_state_dict(sd, framework="megatron")
+      >>> int(state.backoff_count), float(scaler.adjust(state, False).scale)
+      (1, 524288.0)
+    """
+    read = _READERS[_framework(framework)]
+    return read(_state_dict(state_dict), **kwargs)
