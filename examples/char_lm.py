@@ -150,9 +150,9 @@ def train(mode: str, cfg: Config, data: np.ndarray, held_out: np.ndarray) -> dic
     params = init_params(jax.random.key(cfg.seed), cfg)
     adam = optax.adam(cfg.lr)
     if mode == "f16-jls":
-        tx = jls.loss_scaling(adam, jls.dynamic_scale(), donated=True)
+        tx = jls.loss_scaling(adam, jls.dynamic_scale())
     elif mode == "bf16":
-        tx = jls.loss_scaling(adam, jls.no_scale(), donated=True)
+        tx = jls.loss_scaling(adam, jls.no_scale())
     else:
         tx = adam
     opt_state = tx.init(params)

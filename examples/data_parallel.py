@@ -70,8 +70,8 @@ def main(argv=None) -> dict:
                 "b": jnp.zeros((fan_out,)),
             }
         )
-    tx = jls.loss_scaling(  # the step donates the state: say so
-        optax.adam(1e-2), jls.dynamic_scale(2.0**12, growth_interval=10), donated=True
+    tx = jls.loss_scaling(
+        optax.adam(1e-2), jls.dynamic_scale(2.0**12, growth_interval=10)
     )
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(tx.init(params), replicated)

@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     model = eqx.nn.MLP(16, 1, 64, 2, activation=jax.nn.gelu, key=jax.random.key(0))
     policy = jls.precision.get_policy("params=float32,compute=float16,output=float32")
     scaler = jls.dynamic_scale(2.0**24, growth_interval=50)
-    tx = jls.loss_scaling(optax.adam(3e-3), scaler, donated=True)  # donate="all"
+    tx = jls.loss_scaling(optax.adam(3e-3), scaler)  # the step donates: donate="all"
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
 
     @policy.wrap  # the matmuls in float16, the prediction back in float32

@@ -91,7 +91,7 @@ def train(compute: str, steps: int, seed: int, hidden: int = 16) -> dict[str, An
     xs, ys = make_data(seed, 256, 24)
     model = GRUClassifier(hidden, jax.random.key(seed))
     scaler = jls.dynamic_scale() if compute == "float16" else jls.no_scale()
-    tx = jls.loss_scaling(optax.adam(1e-2), scaler, donated=True)  # donate="all"
+    tx = jls.loss_scaling(optax.adam(1e-2), scaler)  # the step donates: donate="all"
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     train_step = make_step(compute, tx)
     # Full batch: the data are closed over, and the model and optimizer state

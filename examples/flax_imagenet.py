@@ -21,10 +21,10 @@ shows it as a diff):
 * ``state.step`` counts applied steps (the learning-rate schedule's step);
   the number of calls, the data loop's resume offset, is ``step +
   total_skips``.
-* The state is donated to the step (flax's example does not donate), and
-  the transformation is told so (``donated=True``), which picks the skip that
-  is free with donation; ``--no-donate`` runs flax's way, with jls's default
-  skip (``benchmarks/bench_resnet.py`` measures both).
+* The state is donated to the step (flax's example does not donate), so XLA
+  updates it in place; jls's step is the same either way, nothing to
+  declare. ``--no-donate`` runs flax's way (``benchmarks/bench_resnet.py``
+  measures both).
 
 The data are synthetic (no downloads): small images of 10 classes, each a
 fixed random pattern plus noise. The script asks XLA for two host devices
@@ -142,7 +142,6 @@ def create_train_state(
     lr: float,
     precision: str,
     image_size: int = 32,
-    donated: bool = True,
 ) -> TrainState:
     """The state of flax's ``create_train_state``, with jls's transformation."""
     variables = model.init(rng, jnp.ones((1, image_size, image_size, 3)), train=False)
@@ -151,7 +150,6 @@ def create_train_state(
         optax.sgd(schedule, momentum=0.9, nesterov=True),
         scaler_for(precision),
         axis_name="batch",
-        donated=donated,  # the step donates the state (donate_argnums)
     )
     return TrainState.create(
         apply_fn=model.apply,
@@ -246,9 +244,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     devices = jax.local_device_count()
     model = ResNet18(width=args.width, dtype=DTYPES[args.precision])
-    state = create_train_state(
-        jax.random.key(0), model, args.lr, args.precision, donated=not args.no_donate
-    )
+    state = create_train_state(jax.random.key(0), model, args.lr, args.precision)
     start = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
         with open(args.checkpoint, "rb") as f:

@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     x, y = make_data(args.seed)
     params = init_params(jax.random.key(args.seed), (32, 256, 256, 4))
     scaler = jls.dynamic_scale(2.0**24, growth_interval=args.growth_interval)
-    tx = jls.loss_scaling(optax.adam(1e-3), scaler, donated=True)
+    tx = jls.loss_scaling(optax.adam(1e-3), scaler)
     opt_state = tx.init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))

@@ -247,7 +247,7 @@ def test_retries_add_headroom_once():
 def test_framework_state_dicts_refuse_the_measured_rule():
     scaler = jls.measured_scale()
     with pytest.raises(ValueError, match="measured_scale"):
-        jls.presets.to_torch_state_dict(scaler, scaler.init())
+        jls.presets.to_state_dict(scaler, scaler.init(), framework="torch")
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from flax.training import train_state
 
 import jls
 import jls.flax
+from jls._builtins import hooks_from_options
 from jls._off import is_off
 
 OFF = jls.no_scale(skip_nonfinite=False)
@@ -161,7 +162,7 @@ def test_float16_gradients_under_no_scale_warn_naming_the_fix(fused):
     ],
 )
 def test_only_a_bare_transformation_is_the_plain_optimizer(kw, off):
-    scaling = jls.LossScaling(optax.sgd(0.1), OFF, **kw)
+    scaling = jls.LossScaling(optax.sgd(0.1), OFF, hooks=hooks_from_options(**kw))
     assert is_off(scaling.scaler, scaling.hooks) is off
     assert not is_off(jls.no_scale().__class__ and jls.no_scale(), ())
     assert not is_off(jls.static_scale(2.0, skip_nonfinite=False), ())

@@ -209,16 +209,22 @@ def test_3_scale_one_scalers_never_apply_a_scaled_update(path):
         "growth_interval": 10,
         "_growth_tracker": 0,
     }
-    paddle_sd = jls.presets.to_paddle_state_dict(
-        jls.presets.paddle(), jls.presets.paddle(init_loss_scaling=1024.0).init()
+    paddle_sd = jls.presets.to_state_dict(
+        jls.presets.paddle(),
+        jls.presets.paddle(init_loss_scaling=1024.0).init(),
+        framework="paddle",
     )
     cases = {
         "no_scale_set_1024": (
             jls.no_scale(),
             jls.set_loss_scale(jls.no_scale().init(), 1024.0),
         ),
-        "torch_disabled": jls.presets.from_torch_state_dict(sd, enabled=False),
-        "paddle_disabled": jls.presets.from_paddle_state_dict(paddle_sd, enable=False),
+        "torch_disabled": jls.presets.from_state_dict(
+            sd, enabled=False, framework="torch"
+        ),
+        "paddle_disabled": jls.presets.from_state_dict(
+            paddle_sd, enable=False, framework="paddle"
+        ),
     }
     for name, (scaler, ls_state) in cases.items():
         tx = jls.loss_scaling(optax.sgd(0.5), scaler)
@@ -446,8 +452,11 @@ def test_7_no_state_made_by_jls_aliases_a_buffer():
     states = [
         scaler.init(),
         jls.set_loss_scale(scaler.init(), 8.0),
-        jls.presets.from_torch_state_dict(
-            jls.presets.to_torch_state_dict(jls.presets.torch(), scaler.init())
+        jls.presets.from_state_dict(
+            jls.presets.to_state_dict(
+                jls.presets.torch(), scaler.init(), framework="torch"
+            ),
+            framework="torch",
         )[1],
         jls.loss_scaling(optax.adam(1e-3)).init({"a": jnp.zeros(2)}),
     ]
@@ -670,45 +679,51 @@ BAD_CONFIG = [
     (lambda: jls.set_loss_scale(jls.no_scale().init(), "1024"), "scale"),
     (lambda: jls.set_loss_scale(jls.no_scale().init(), True), "scale"),
     (
-        lambda: jls.presets.from_paddle_state_dict(
+        lambda: jls.presets.from_state_dict(
             dict(
-                jls.presets.to_paddle_state_dict(
-                    jls.presets.paddle(), jls.presets.paddle().init()
+                jls.presets.to_state_dict(
+                    jls.presets.paddle(),
+                    jls.presets.paddle().init(),
+                    framework="paddle",
                 ),
                 use_dynamic_loss_scaling="False",
-            )
+            ),
+            framework="paddle",
         ),
         "use_dynamic_loss_scaling",
     ),
     (
-        lambda: jls.presets.from_megatron_state_dict(
-            {"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 1.7}
+        lambda: jls.presets.from_state_dict(
+            {"scale": 1024.0, "growth_tracker": 0, "hysteresis_tracker": 1.7},
+            framework="megatron",
         ),
         "hysteresis_tracker",
     ),
-    (lambda: jls.presets.from_torch_state_dict(None), "state_dict"),
+    (lambda: jls.presets.from_state_dict(None, framework="torch"), "state_dict"),
     (lambda: jls.dynamic_scale(init_scale=10**400), "init_scale"),
     (lambda: jls.presets.torch(growth_factor=10**400), "growth_factor"),
     (lambda: jls.set_loss_scale(jls.no_scale().init(), 10**400), "scale"),
     (
-        lambda: jls.presets.from_torch_state_dict(
+        lambda: jls.presets.from_state_dict(
             {
                 "scale": "512",
                 "growth_factor": 2.0,
                 "backoff_factor": 0.5,
                 "growth_interval": 10,
                 "_growth_tracker": 0,
-            }
+            },
+            framework="torch",
         ),
         "scale",
     ),
     (
-        lambda: jls.presets.from_megatron_state_dict(
-            {"scale": True, "growth_tracker": 0, "hysteresis_tracker": 1}
+        lambda: jls.presets.from_state_dict(
+            {"scale": True, "growth_tracker": 0, "hysteresis_tracker": 1},
+            framework="megatron",
         ),
         "scale",
     ),
-    (lambda: jls.presets.from_paddle_state_dict("x"), "state_dict"),
+    (lambda: jls.presets.from_state_dict("x", framework="paddle"), "state_dict"),
 ]
 
 
@@ -735,13 +750,15 @@ def test_12_has_aux_mismatch_names_has_aux(has_aux, returns):
 
 def test_13_disabled_torch_and_paddle_round_trip():
     torch_off = jls.presets.torch(enabled=False)
-    assert jls.presets.to_torch_state_dict(torch_off, torch_off.init()) == {}
-    scaler, state = jls.presets.from_torch_state_dict({})
+    assert (
+        jls.presets.to_state_dict(torch_off, torch_off.init(), framework="torch") == {}
+    )
+    scaler, state = jls.presets.from_state_dict({}, framework="torch")
     assert scaler == torch_off and float(state.scale) == 1.0
     paddle_off = jls.presets.paddle(enable=False)
-    sd = jls.presets.to_paddle_state_dict(paddle_off, paddle_off.init())
+    sd = jls.presets.to_state_dict(paddle_off, paddle_off.init(), framework="paddle")
     assert sd == {}
-    scaler, _ = jls.presets.from_paddle_state_dict(sd)
+    scaler, _ = jls.presets.from_state_dict(sd, framework="paddle")
     assert scaler == paddle_off and not scaler.skip_nonfinite
 
 

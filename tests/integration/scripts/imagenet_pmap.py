@@ -48,9 +48,7 @@ report["bad_step_logged_skipped"] = bad["log"][6]["skipped"]
 # 2. The skipped step leaves every BatchNorm statistic bitwise unchanged (and
 #    flax's own TrainState + DynamicScale idiom writes nan into them).
 model = ex["ResNet18"](width=8, dtype=jnp.float16)
-state = ex["create_train_state"](
-    jax.random.key(0), model, 0.05, "float16", donated=False
-)
+state = ex["create_train_state"](jax.random.key(0), model, 0.05, "float16")
 state = jax.tree.map(lambda x: jnp.stack([x] * 2), state)
 step = jax.pmap(ex["train_step"], axis_name="batch")
 images, labels = ex["make_data"](0, 32)

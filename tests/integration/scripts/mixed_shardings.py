@@ -26,7 +26,7 @@ def run(mesh, donated, fused):
     params = {"w": jnp.ones((3, 8)), "b": jnp.ones(8)}
     placed = jax.tree.map(lambda s: NamedSharding(mesh, s), spec)
     params = jax.device_put(params, placed)
-    tx = jls.loss_scaling(optax.adam(0.1), jls.dynamic_scale(), donated=donated)
+    tx = jls.loss_scaling(optax.adam(0.1), jls.dynamic_scale())
     state = tx.init(jax.tree.map(np.asarray, params))  # unplaced state
 
     def step(p, s, g):
