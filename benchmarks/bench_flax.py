@@ -3,7 +3,7 @@
 A flax user steps with ``state.apply_gradients(grads=grads)``. Variants, on
 the models of ``bench_step.py`` (Adam, interleaved rounds, medians and
 per-round ratios as there), each without donation and with the state donated
-("(donated)"; jls then told ``donated=True``):
+("(donated)"):
 
   plain              flax's ``TrainState``, optax Adam, no loss scaling.
   jls_tx_update      flax's ``TrainState`` with ``tx=jls.loss_scaling(adam)``:
@@ -57,7 +57,7 @@ def make_flax_variants(loss_fn, params, modes=(False, True)):
 
     for donated in modes:
         scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
-        tx = jls.loss_scaling(adam, scaler, donated=donated)
+        tx = jls.loss_scaling(adam, scaler)
         jit = functools.partial(jax.jit, donate_argnums=(1,) if donated else ())
         suffix = DONATED if donated else ""
         variants["plain" + suffix] = (jit(plain), fresh(train_state.TrainState, adam))

@@ -107,10 +107,10 @@ def variants(loss, params, mesh, specs):
         suffix = " (donated)" if donated else ""
         txs = {
             "plain": (plain, adam),
-            "jls_fused": (None, jls.loss_scaling(adam, donated=donated)),
+            "jls_fused": (None, jls.loss_scaling(adam)),
             "jls_measured": (
                 None,
-                jls.loss_scaling(adam, jls.measured_scale(), donated=donated),
+                jls.loss_scaling(adam, jls.measured_scale()),
             ),
         }
         for name, (fn, tx) in txs.items():

@@ -142,9 +142,7 @@ def make_states(width: int, donated: bool, axis: str | None) -> dict:
     sgd = optax.sgd(0.05, momentum=0.9, nesterov=True)
 
     def tx(**options):
-        return jls.loss_scaling(
-            sgd, jls.presets.flax(), axis_name=axis, donated=donated, **options
-        )
+        return jls.loss_scaling(sgd, jls.presets.flax(), axis_name=axis, **options)
 
     common = {"apply_fn": model.apply, "params": params, "batch_stats": stats}
     return {

@@ -56,7 +56,7 @@ def variants(loss_fn, params, every: int):
                 )
             )
         for name, stats in configs:
-            tx = jls.loss_scaling(adam, scaler, donated=donated, scale_stats=stats)
+            tx = jls.loss_scaling(adam, scaler, scale_stats=stats)
 
             def fused(params, state, batch, tx=tx):
                 grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(

@@ -62,7 +62,7 @@ def _modes():
 def variants(loss_fn, params, every: int):
     adam, scaler, modes = _modes()
     out = {}
-    for donated, jit, suffix in modes:
+    for _donated, jit, suffix in modes:
 
         def plain(params, state, batch):
             grads = jax.grad(loss_fn)(params, batch)
@@ -76,7 +76,7 @@ def variants(loss_fn, params, every: int):
             ("jls_fused_stagnation_every1", (jls.hooks.Stagnation(1),)),
         ]
         for name, hooks in configs:
-            tx = jls.loss_scaling(adam, scaler, donated=donated, hooks=hooks)
+            tx = jls.loss_scaling(adam, scaler, hooks=hooks)
 
             def fused(params, state, batch, tx=tx):
                 grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(
@@ -92,12 +92,12 @@ def update_alone(params, every: int):
     """``jls.apply_gradients`` on fixed gradients, with and without the hook."""
     adam, scaler, modes = _modes()
     out = {}
-    for donated, jit, suffix in modes:
+    for _donated, jit, suffix in modes:
         for name, hooks in (
             ("jls_fused", ()),
             (f"jls_fused_stagnation_every{every}", (jls.hooks.Stagnation(every),)),
         ):
-            tx = jls.loss_scaling(adam, scaler, donated=donated, hooks=hooks)
+            tx = jls.loss_scaling(adam, scaler, hooks=hooks)
 
             def update(params, state, grads, tx=tx):
                 return jls.apply_gradients(tx, grads, state, params)

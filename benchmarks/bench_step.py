@@ -2,11 +2,9 @@
 
 Every variant is a jitted train step (Adam), on the same model and batch,
 twice: without donation (as most user code: flax's examples, notebooks, a
-plain ``@jax.jit``) and with ``donate_argnums=(0, 1)`` ("(donated)"; jls's
-variants then pass ``donated=True``), each compared with plain Adam in the
-same mode; jls's variants once more with donation not declared ("(donated,
-undeclared)": ``donate_argnums`` without ``donated=True``, compared with
-plain Adam donated). The report adds each compiled step's temporary bytes
+plain ``@jax.jit``) and with ``donate_argnums=(0, 1)`` ("(donated)"), each
+compared with plain Adam in the same mode (jls's step is the same in both:
+nothing is declared). The report adds each compiled step's temporary bytes
 and copies.
 They run side by side in one process, in interleaved rounds (each round
 times one step of every variant, in a shuffled order, a few steps per
@@ -169,33 +167,25 @@ def _plain_sum_check():
 
 
 DONATED = " (donated)"
-UNDECLARED = " (donated, undeclared)"
 
 
-def make_variants(loss_fn, params, modes=(False, True, UNDECLARED)):
+def make_variants(loss_fn, params, modes=(False, True)):
     """Returns {name: (jitted step, initial opt_state)} for each donation mode.
 
     Each variant is jitted without donation (the name as it is) and with
-    ``donate_argnums=(0, 1)`` (the name with `DONATED`), jls's variants
-    passing ``donated=`` to match; the mode `UNDECLARED` adds jls's variants
-    jitted with donation but made without ``donated=True`` (the name with
-    `UNDECLARED`), the step a user who missed the argument writes.
+    ``donate_argnums=(0, 1)`` (the name with `DONATED`).
     """
     adam = optax.adam(1e-4)
     variants = {}
-    for mode in modes:
-        donated = bool(mode)
+    for donated in modes:
         jit = functools.partial(jax.jit, donate_argnums=(0, 1) if donated else ())
-        declared = mode is True
-        suffix = UNDECLARED if mode == UNDECLARED else (DONATED if donated else "")
-        for key, (fn, state) in _steps(loss_fn, params, adam, declared).items():
-            if mode == UNDECLARED and not key.startswith("jls_"):
-                continue
+        suffix = DONATED if donated else ""
+        for key, (fn, state) in _steps(loss_fn, params, adam).items():
             variants[key + suffix] = (jit(fn), state)
     return variants
 
 
-def _steps(loss_fn, params, adam, donated):
+def _steps(loss_fn, params, adam):
     """The variants' step functions, not jitted, and their initial states."""
     steps = {}
 
@@ -207,7 +197,7 @@ def _steps(loss_fn, params, adam, donated):
     steps["plain"] = (plain, adam.init(params))
 
     scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
-    tx = jls.loss_scaling(adam, scaler, donated=donated)
+    tx = jls.loss_scaling(adam, scaler)
 
     def jls_fused(params, state, batch):
         grads = jax.grad(lambda p: jls.scale_loss(loss_fn(p, batch), state))(params)
@@ -224,7 +214,7 @@ def _steps(loss_fn, params, adam, donated):
         with _plain_sum_check():
             return jls_fused(params, state, batch)
 
-    off = jls.loss_scaling(adam, jls.no_scale(skip_nonfinite=False), donated=donated)
+    off = jls.loss_scaling(adam, jls.no_scale(skip_nonfinite=False))
 
     def jls_off(params, state, batch):
         # The off switch (bfloat16/float32 runs of a float16 script).
@@ -280,7 +270,7 @@ def _steps(loss_fn, params, adam, donated):
 
 def baseline(key: str) -> str:
     """The plain variant a variant is compared with: the same donation."""
-    donated = key.endswith(DONATED) or key.endswith(UNDECLARED)
+    donated = key.endswith(DONATED)
     return "plain" + DONATED if donated else "plain"
 
 

@@ -7,8 +7,7 @@ update is most of the step: the ratio to plain Adam is near the worst case
 for jls's extra read of the gradients. Two sweeps: parameters from 1M to
 128M in 16 leaves, and 10 to 2,000 leaves holding 8M parameters between
 them. At each point, plain Adam, the fused
-step and ``tx.update``, each jitted without donation and with it (jls told
-so with ``donated=True``), are timed side by side in interleaved rounds
+step and ``tx.update``, each jitted without donation and with it, are timed side by side in interleaved rounds
 (medians of per-round ratios to plain in the same mode); the report adds the
 trace+compile time ratio (one fresh ``jit`` each, interleaved, medians) and
 the compiled temporary bytes against plain's.
@@ -51,7 +50,7 @@ def problem(n_params: int, n_leaves: int):
 
 def steps(loss_fn, donated: bool):
     adam = optax.adam(1e-4)
-    tx = jls.loss_scaling(adam, jls.dynamic_scale(2.0**15), donated=donated)
+    tx = jls.loss_scaling(adam, jls.dynamic_scale(2.0**15))
 
     def plain(carry, c):
         params, state = carry

@@ -5,8 +5,7 @@ plain Adam, ``jls.dynamic_scale()`` (the default check, a sum of magnitudes)
 and ``jls.measured_scale()`` (the sum-of-squares check). Prints each
 compiled step's temporaries and top-level fusions, copies and YNN fusions,
 and with ``--time N`` N interleaved rounds of 2 steps (ratios of medians to
-plain). ``--donate`` donates the parameters and state (and passes
-``donated=True``). Run:
+plain). ``--donate`` donates the parameters and state. Run:
 ``python benchmarks/probe_char_check.py --donate --time 20``; under
 ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`` to compare without
 XLA:CPU's YNN fusions (docs/performance.md).
@@ -54,7 +53,7 @@ def main(argv=None) -> dict:
         return optax.apply_updates(p, u), s
 
     def make(scaler):
-        tx = jls.loss_scaling(adam, scaler, donated=args.donate)
+        tx = jls.loss_scaling(adam, scaler)
 
         def step(p, s, t):
             g = jax.grad(lambda p: jls.scale_loss(loss_fn(p, t), s))(p)
