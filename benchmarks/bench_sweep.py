@@ -6,8 +6,8 @@ is a square matrix ``w`` and the loss is ``sum(tanh(x @ w))`` for a batch
 update is most of the step: the ratio to plain Adam is near the worst case
 for jls's extra read of the gradients. Two sweeps: parameters from 1M to
 128M in 16 leaves, and 10 to 2,000 leaves holding 8M parameters between
-them. At each point, plain Adam, the fused
-step and ``tx.update``, each jitted without donation and with it, are timed side by side in interleaved rounds
+them. At each point, plain Adam, the fused step and ``tx.update``, each
+jitted without donation and with it, are timed side by side in interleaved rounds
 (medians of per-round ratios to plain in the same mode); the report adds the
 trace+compile time ratio (one fresh ``jit`` each, interleaved, medians) and
 the compiled temporary bytes against plain's.
