@@ -1,19 +1,19 @@
-"""The skip's pieces: exact selects and the values a skipped step returns.
+"""The skip: each new leaf selected against its old one, bitwise.
 
-`jls._substitute` is the skip itself. A skipped step leaves every leaf
-bitwise as it was: a select picks bits, it does not mask with ``0 * x``
-(nan for an inf ``x``), so no nan reaches a state; the skipped updates of
-``tx.update`` are ``-0.0`` (``p + (-0.0)`` is ``p`` bitwise), laid out as
-the updates are.
+The step runs the inner optimizer's update unconditionally, then keeps
+each result (the parameters or the updates, every leaf of the inner
+state) with `select_tree`: the new leaf where the step applies, its old
+value where it does not. That is jmp's and flax's form (``lax.select``
+per leaf), on public jax only. A select picks bits, it does not mask with
+``0 * x`` (nan for an inf ``x``), so no nan reaches a state; a float
+narrower than float32 is selected as its bits, so a nan's payload is kept;
+a weakly typed old leaf stays weakly typed, so the step is traced once.
+The skipped updates of ``tx.update`` are ``-0.0`` (`zeros_like`:
+``p + (-0.0)`` is ``p`` bitwise), laid out as the updates are.
 
-Two earlier forms were measured against it in both donation modes
-(``benchmarks/bench_skip_modes.py`` keeps them; the figures are in
-``docs/performance.md``): a select per leaf after the update, free without
-donation, made XLA:CPU copy every moment when the caller donated (the
-select's fusions read the old moments after the update overwrote them);
-one ``lax.cond`` whose skip branch passes the state through, free with
-donation, made XLA copy every parameter and moment without it (read-only
-arguments cannot become a conditional's outputs).
+``benchmarks/bench_skip_modes.py`` keeps the other forms measured against
+this one (a ``lax.cond``, a re-run of the update's program), and
+``docs/performance.md`` what each costs in each donation mode.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jls._compat import varying_of, weakly_typed
@@ -72,18 +73,30 @@ def zeros_like(shapes: Any, *likes: Any) -> Any:
     return treedef.unflatten([zero_of(i, s) for i, s in enumerate(leaves)])
 
 
-def cast_like(tree: Any, like: Any) -> Any:
-    """Casts ``tree``'s leaves to the dtypes of ``like``'s (shape structs).
+def select_tree(apply: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``apply`` (a scalar bool), else ``old``: every leaf, bitwise.
 
-    Not ``optax.tree.cast_like``: that casts every leaf, and ``astype`` makes
-    a weakly typed leaf strong, so a skipped step would change the state's
-    types and retrace the step once.
+    The one skip of jls: the step's results, `jls.keep_if_skipped` and
+    ``jls.flax``'s kept fields all go through it. ``old`` has ``new``'s
+    structure; each leaf is `select`-ed (``new``'s dtype and sharding,
+    weakly typed where ``old`` is). ``None`` leaves stay ``None``, and a leaf
+    of ``new`` that is no array (a function) is returned as it is.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jls._cond import select_tree
+      >>> new = {"m": jnp.array([jnp.nan, 2.0])}
+      >>> select_tree(jnp.asarray(False), new, {"m": jnp.zeros(2)})["m"]
+      Array([0., 0.], dtype=float32)
     """
     return jax.tree.map(
-        lambda x, s: x if x is None or x.dtype == s.dtype else x.astype(s.dtype),
-        tree,
-        like,
+        lambda n, o: select(apply, n, o) if _is_array(n) else n, new, old
     )
+
+
+def _is_array(x: Any) -> bool:
+    """Whether ``x`` is a value `select` takes (not a function, not a class)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
 def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> Any:

@@ -159,14 +159,12 @@ def test_a_holding_veto_leaves_the_scale_rule_where_it_was():
     assert float(jls.metrics(other)["loss_scale"]) == 2.0**9
 
 
-@pytest.mark.parametrize("donated", [False, True])
+@pytest.mark.parametrize("donate", [False, True], ids=["undonated", "donated"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(donated, fused):
+def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(donate, fused):
     # sgd(0.5): the updates are -0.5 * g; read on calls 0, 2, 4 (call 2 is
     # skipped: nothing read), held between.
-    tx = jls.loss_scaling(
-        optax.sgd(0.5), jls.no_scale(), hooks=[SumUpdates()], donated=donated
-    )
+    tx = jls.loss_scaling(optax.sgd(0.5), jls.no_scale(), hooks=[SumUpdates()])
 
     def step(g, s, p):
         if fused:
@@ -174,8 +172,8 @@ def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(donated, fused):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    step = jax.jit(step)
-    params, state = PARAMS, tx.init(PARAMS)
+    step = jax.jit(step, donate_argnums=(1, 2) if donate else ())
+    params, state = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)
     seen = []
     for value in (1.0, 2.0, jnp.nan, 3.0, 4.0):
         params, state = step(_grads(value), state, params)

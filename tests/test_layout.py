@@ -38,7 +38,7 @@ LAYERS = [
         "jls.hooks._stagnation",
     ],
     ["jls._builtins", "jls._inner", "jls._cond", "jls._off", "jls._average"],
-    ["jls._config", "jls._substitute", "jls._view"],
+    ["jls._config"],
     [
         "jls._decision",
         "jls.precision._compensated",
