@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._compat import varying_of, weakly_typed
+from jls._compat import varying_of
 
 
 def zero(dtype: Any) -> Any:
@@ -99,20 +99,18 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
-def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> Any:
+def select(apply: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``apply`` (a scalar), else ``old``, bitwise.
 
-    The result has ``new``'s dtype, weakly typed if ``old`` is (as
-    ``lax.cond`` joins them), so a weakly typed state keeps its types and the
-    step is traced once; ``weak``, if given, says instead. Floats narrower
-    than float32 are selected as their bits: XLA:CPU computes them in
-    float32, and a select it widens that way would canonicalise a nan's
-    payload.
+    The result has ``new``'s dtype and sharding, weakly typed where ``old``
+    is weakly typed and of that dtype, so a weakly typed state keeps its
+    types and the step is traced once. Floats narrower than float32 are
+    selected as their bits: XLA:CPU computes them in float32, and a select
+    it widens that way would canonicalise a nan's payload.
     """
     new = jnp.asarray(new)
     old = jnp.asarray(old)
-    if weak is None:
-        weak = bool(jax.typeof(old).weak_type and old.dtype == new.dtype)
+    weak = bool(jax.typeof(old).weak_type and old.dtype == new.dtype)
     if old.dtype != new.dtype:
         old = old.astype(new.dtype)
     old = _like(old, new)
@@ -127,7 +125,19 @@ def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> An
         chosen = lax.bitcast_convert_type(chosen, new.dtype)
     else:
         chosen = lax.select(apply, new, old)
-    return retyped(chosen, weak)
+    if weak and not jax.typeof(chosen).weak_type:
+        chosen = _weakly_typed(chosen, old)
+    return chosen
+
+
+def _weakly_typed(x: jax.Array, weak: jax.Array) -> jax.Array:
+    """``x``, weakly typed as ``weak`` (of its dtype, shape and layout) is.
+
+    ``lax.cond`` joins a strong and a weakly typed branch into a weakly typed
+    result (public jax has no cast to a weak type); its predicate is a
+    constant, so XLA keeps ``x`` alone and no conditional runs.
+    """
+    return lax.cond(True, lambda: x, lambda: weak)
 
 
 def _like(old: jax.Array, new: jax.Array) -> jax.Array:
@@ -142,13 +152,6 @@ def _like(old: jax.Array, new: jax.Array) -> jax.Array:
     if want.mesh.empty or explicit not in tuple(getattr(want.mesh, "axis_types", ())):
         return old
     return jax.sharding.reshard(old, want)
-
-
-def retyped(x: jax.Array, weak: bool) -> jax.Array:
-    """``x``, weakly typed or not as ``weak`` says."""
-    if jax.typeof(x).weak_type == weak:
-        return x
-    return weakly_typed(x) if weak else lax.convert_element_type(x, x.dtype)
 
 
 _UINT = {4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}
