@@ -1,5 +1,7 @@
 """The step's pure functions: one entry point, state checked once, params split once."""
 
+# pyright: reportAttributeAccessIssue=false
+
 import chex
 import jax
 import jax.numpy as jnp
