@@ -1,26 +1,27 @@
 """One skip for both donation modes: candidate skip forms, measured in both.
 
-jls 0.3's skip had two forms: `selected` (the default, a ``lax.select`` per
-state leaf) is free without donation and makes XLA:CPU copy every moment
-when the caller donates; `guarded` (``donated=True``, one ``lax.cond``) is
-free with donation and copies every parameter and moment without it. jls
-0.4's skip is `substituted` (`jls._substitute`), in both modes. This script
-implements the skip in other forms (it swaps
-``jls._substitute.substituted`` while the step is traced; the library is
-unchanged) and runs each in both modes beside plain Adam: jitted without
-donation, and with ``donate_argnums=(0, 1)`` and no declaration
-("(donated)"). For `guarded`, "(donated)" is the mode it was made for and
-the undonated row is a caller who declared a donation it does not make.
+jls's skip is `select` (`jls._cond.select_tree`): the inner update runs
+unconditionally and each new leaf is selected against its old one (jmp's
+and flax's form). It is what XLA compiles without copies on a GPU; on
+XLA:CPU a donated step copies every moment (the select's fusions read the
+old moments after the update overwrote them in place). This script keeps
+the other forms measured against it, as a record: it swaps the library's
+``jls._core.finish`` for `finish_with` (the step built around a form
+``form(apply, step, skip, operands, after)``) while the step is traced, and
+runs each form in both modes beside plain Adam: jitted without donation, and
+with ``donate_argnums=(0, 1)`` ("(donated)"). For `guarded`, "(donated)" is
+the mode it was made for.
 
 Forms:
-  selected   jls 0.3's default: ``select(apply, new, old)`` per state leaf.
-  guarded    jls 0.3's ``donated=True``: one ``lax.cond`` whose skip branch
-             passes the state through.
-  barrier    ``selected``, the state selected after an
+  select     jls's skip, the library unchanged: ``select_tree(apply, new,
+             old)`` over the step's results after the update.
+  guarded    one ``lax.cond`` whose skip branch passes the state through:
+             free with donation, copies every parameter and moment without.
+  barrier    ``select``, the state selected after an
              ``optimization_barrier`` on (selected outputs, old state):
              XLA:CPU removes the barrier before copy insertion
-             (``cse_barrier_expander``), so it compiles as ``selected``.
-  ordered    ``selected``, the state's selects waiting for the outputs: the
+             (``cse_barrier_expander``), so it compiles as ``select``.
+  ordered    ``select``, the state's selects waiting for the outputs: the
              decision they read is ``apply & (popcount(bits(x)) <= width)``
              of one element ``x`` of each output leaf (always ``apply``; XLA
              cannot fold it). XLA can then no longer fuse the new moments
@@ -32,21 +33,20 @@ Forms:
              then the state's fusions read and overwrite it in place.
   dual_once  ``dual`` with the update traced once: a nested ``jax.jit`` of
              it, called twice (the second call reuses the trace).
-  substituted  jls's skip: the update traced once (``jax.make_jaxpr``) and evaluated
-             equation by equation; each new state leaf is selected against
-             its old value as soon as an equation makes it, and the later
-             equations (the parameters', the updates') read the selected
-             leaf. Exact: where the step applies, the selected leaf is the
-             new one; where it does not, the outputs are selected away. XLA
-             then sees plain Adam's structure in both modes: each moment
-             made once (in place when donated) and the parameters computed
-             from the moments it wrote, with no ordering trick.
+  substituted  the update traced once (``jax.make_jaxpr``, ``jax.extend``)
+             and evaluated equation by equation; each new state leaf is
+             selected against its old value as soon as an equation makes it,
+             and the later equations (the parameters', the updates') read the
+             selected leaf. XLA then sees plain Adam's structure in both
+             modes, with no copies on XLA:CPU either; it re-runs the user's
+             program on ``jax.extend`` (no compatibility promise), so it is
+             no default.
 
 The proxies: compiled temporaries, the entry computation's copies, and
 XLA's cost analysis of the bytes the program accesses (deterministic).
 ``--check`` first verifies every form on the MLP: a step with a nan
 gradient leaves the parameters and the state bitwise unchanged, and a
-finite step gives the bits of `selected`.
+finite step gives the bits of the first form.
 
 Run: ``python benchmarks/bench_skip_modes.py [--model lm|mlp|char|all]
 [--rounds 10] [--forms ...] [--paths fused update] [--proxies] [--compile N]
@@ -76,9 +76,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend import core as jcore
+from jax.extend import source_info_util
 
 import jls
-from jls import _cond, _substitute
+from jls import _cond, _core
+from jls._decision import vetoes
+from jls._scaling import reciprocals, unscale_leaf
+from jls.hooks._hooks import LossScalingState
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_step  # noqa: E402
@@ -122,8 +127,8 @@ def guarded(
 ) -> tuple[Any, Any]:
     """``(step(operands), after(True))`` if ``apply``, else the skip's.
 
-    ``skip(operands, shapes)`` gets ``step``'s output types (`selected`
-    gives it the outputs themselves). ``after(taken)`` is evaluated inside
+    ``skip(operands, shapes)`` gets ``step``'s output types (the other
+    forms give it the outputs themselves). ``after(taken)`` is evaluated inside
     each branch with ``taken`` a constant (the scale rule then folds to a
     few scalar ops).
     """
@@ -141,29 +146,12 @@ def guarded(
     return lax.cond(apply, taken, skipped, operands)
 
 
-def selected(
-    apply: jax.Array,
-    step: Callable[[Any], Any],
-    skip: Callable[[Any, Any], Any],
-    operands: Any,
-    after: Callable[[Any], Any],
-) -> tuple[Any, Any]:
-    """`guarded`'s result, without a conditional: each leaf selected.
-
-    ``after(apply)`` gets the traced decision.
-    """
-    new = step(operands)
-    old = skip(operands, new)  # the values: the skip's zeros take their layout
-    out = jax.tree.map(lambda n, o: _cond.select(apply, n, o), new, old)
-    return out, after(apply)
-
-
 def _select(apply, new, old):
-    return jax.tree.map(lambda n, o: _cond.select(apply, n, o), new, old)
+    return _cond.select_tree(apply, new, old)
 
 
 def barrier(apply, step, skip, operands, after):
-    """`selected`, the state selected after an optimization barrier."""
+    """``select``, the state selected after an optimization barrier."""
     new = step(operands)
     (new_out, new_state), (old_out, old_state) = new, skip(operands, new)
     out = _select(apply, new_out, old_out)
@@ -172,7 +160,7 @@ def barrier(apply, step, skip, operands, after):
 
 
 def ordered(apply, step, skip, operands, after):
-    """`selected`, the state's selects ordered after the outputs."""
+    """``select``, the state's selects ordered after the outputs."""
     new = step(operands)
     (new_out, new_state), (old_out, old_state) = new, skip(operands, new)
     out = _select(apply, new_out, old_out)
@@ -201,32 +189,181 @@ def dual_once(apply, step, skip, operands, after):
     return (out, state), after(apply)
 
 
+def substituted(apply, step, skip, operands, after):
+    """``(step(operands), after(apply))`` if ``apply``, else the skip's.
+
+    The update traced once (``jax.make_jaxpr``) and its program run again
+    equation by equation; as soon as an equation makes a result (an output
+    or a state leaf), that result is selected against its old value, and
+    every later equation reads the selected one. Only the array leaves of
+    ``operands`` are the program's inputs.
+    """
+    leaves, tree = jax.tree.flatten(operands)
+    arrays = [_is_array(x) for x in leaves]
+    values = [x for x, a in zip(leaves, arrays, strict=True) if a]
+
+    def program(values):
+        given = iter(values)
+        rebuilt = [next(given) if a else x for x, a in zip(leaves, arrays, strict=True)]
+        return step(jax.tree.unflatten(tree, rebuilt))
+
+    closed, shapes = jax.make_jaxpr(program, return_shape=True)(values)
+    jaxpr = closed.jaxpr
+    old_out, old_state = skip(operands, shapes)
+    n_out = len(jax.tree.leaves(shapes[0]))
+    old_leaves = jax.tree.leaves(old_out) + jax.tree.leaves(old_state)
+    made = {e for eqn in jaxpr.eqns for e in eqn.outvars}
+    kept = {}  # a result an equation makes -> its old value
+    for v, old in zip(jaxpr.outvars, old_leaves, strict=True):
+        if isinstance(v, jcore.Var) and v in made:
+            kept.setdefault(v, old)
+    env, raw = {}, {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, values, strict=True))
+    for eqn in jaxpr.eqns:
+        info = eqn.source_info
+        names = source_info_util.current_name_stack() + info.name_stack
+        with source_info_util.user_context(info.traceback, name_stack=names):
+            outs = _bind(eqn, [read(v) for v in eqn.invars])
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if v in kept:  # typed as traced, so later equations bind as they did
+                raw[v] = x
+                x = _typed_as(_cond.select(apply, x, kept[v]), x)
+            env[v] = x
+
+    def result(v, old):
+        if isinstance(v, jcore.Literal):
+            return _cond.select(apply, v.val, old)
+        if v in raw and old is kept[v]:  # typed as `select` types it
+            x, old = env[v], jnp.asarray(old)
+            weak = jax.typeof(old).weak_type and old.dtype == x.dtype
+            return _typed_as(x, old if weak else lax.convert_element_type(x, x.dtype))
+        return _cond.select(apply, raw.get(v, env[v]), old)
+
+    leaves = [result(v, o) for v, o in zip(jaxpr.outvars, old_leaves, strict=True)]
+    out = jax.tree.unflatten(jax.tree.structure(shapes[0]), leaves[:n_out])
+    state = jax.tree.unflatten(jax.tree.structure(shapes[1]), leaves[n_out:])
+    return (out, state), after(apply)
+
+
+def _is_array(x):
+    """Whether ``x`` can be an input of a traced program."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def _typed_as(x, like):
+    """``x``, weakly typed as ``like`` (of ``x``'s dtype) is or not."""
+    weak = jax.typeof(like).weak_type
+    if jax.typeof(x).weak_type == weak:
+        return x
+    return (
+        lax.cond(True, lambda: x, lambda: like)
+        if weak
+        else lax.convert_element_type(x, x.dtype)
+    )
+
+
+def _bind(eqn, invals):
+    """One equation of a jaxpr bound again on ``invals``: its outputs, a list."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bound)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
 FORMS = {
-    "selected": selected,
+    "select": None,  # the library's own step
     "guarded": guarded,
     "barrier": barrier,
     "ordered": ordered,
     "dual": dual,
     "dual_once": dual_once,
-    "substituted": _substitute.substituted,
+    "substituted": substituted,
 }
+
+
+def finish_with(form):
+    """`jls._core.finish`, its skip made by ``form`` (the forms' signature).
+
+    The library's pieces (the vetoes, the scale rule, the hooks' records)
+    around ``form(apply, taken, skipped, operands, after)``. No hook may read
+    the updates.
+    """
+
+    def finish(config, grads, prepared, params, decision, *, fused, retries=None):
+        state, loss, args = prepared
+        assert not config.off and decision is not None
+        info = _core.step_info(config, grads, state, decision, loss)
+        vetoed, held = vetoes(config, state.hooks, info, decision.apply)
+        apply = decision.apply
+        for v in vetoed.values():
+            apply = apply & ~v
+        factors = {}  # computed once, before the skip
+        if not config.scaler.is_identity:
+            two = config.scaler.two_factor
+            factors = reciprocals(state.loss_scale.scale, grads, two_factor=two)
+
+        def taken(operands):
+            grads, inner_state, params = operands
+            grads = jax.tree.map(lambda g: unscale_leaf(g, factors), grads)
+            updates, inner_state = config.inner.update(
+                grads, inner_state, params, **args
+            )
+            out = optax.apply_updates(params, updates) if fused else updates
+            return out, inner_state
+
+        def skipped(operands, shapes):
+            grads, inner_state, params = operands
+            out, inner = shapes
+            if fused:
+                return _cast_like((params, inner_state), (out, inner))
+            zeros = _cond.zeros_like(out, grads, params)
+            return zeros, _cast_like(inner_state, inner)
+
+        def after(applied):
+            old = state.loss_scale
+            return _core.adjusted(config, old, decision, applied, vetoed, held, retries)
+
+        operands = (grads, state.inner_state, params)
+        (out, inner_state), loss_scale = form(apply, taken, skipped, operands, after)
+        hooks = _core.recorded(config, state.hooks, info, apply, loss_scale, {}, vetoed)
+        return out, LossScalingState(loss_scale, inner_state, hooks)
+
+    return finish
+
+
+def _cast_like(tree, like):
+    """``tree``'s leaves in the dtypes of ``like``'s, weak types kept."""
+    return jax.tree.map(
+        lambda x, s: x if x is None or x.dtype == s.dtype else x.astype(s.dtype),
+        tree,
+        like,
+    )
 
 
 @contextlib.contextmanager
 def using(form: str):
-    """While tracing: jls's default skip is ``FORMS[form]``."""
-    saved = _substitute.substituted
-    _substitute.substituted = FORMS[form]
+    """While tracing: jls's skip is ``FORMS[form]`` (``select``: the library's)."""
+    if FORMS[form] is None:
+        yield
+        return
+    saved = _core.finish
+    _core.finish = finish_with(FORMS[form])
     try:
         yield
     finally:
-        _substitute.substituted = saved
+        _core.finish = saved
 
 
 def _jls_steps(loss_fn, params, forms, paths):
     adam = optax.adam(1e-4)
     scaler = jls.dynamic_scale(2.0**15, growth_interval=10**6)
-    tx = jls.loss_scaling(adam, scaler)  # donated=False: the form is swapped in
+    tx = jls.loss_scaling(adam, scaler)
     steps = {}
 
     def plain(params, state, batch):
@@ -294,7 +431,7 @@ def proxies(step, params, opt_state, batch) -> dict:
 
 
 def check(forms, paths) -> None:
-    """Every form: a nan step changes nothing, a finite step is `selected`'s bits."""
+    """Every form: a nan step changes nothing; a finite step, the first form's bits."""
     loss_fn, params, (x, y) = bench_step.make_problem("mlp")
     bad = (x.at[0, 0].set(jnp.nan), y)
     steps = _jls_steps(loss_fn, params, forms, paths)

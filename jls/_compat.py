@@ -11,10 +11,6 @@ is tested on the floor and on the newest jax (CI runs the suite on both).
   ``check_vma=True``; not ``check_vma=False``, ``pmap`` or a named ``vmap``):
   no public flag says so, so it is probed: a value marked varying over a
   bound axis records that axis only where jax tracks them.
-* A weakly typed array: no jax function makes one from an array by name;
-  ``lax.full_like`` of a Python scalar makes its fill value weakly typed,
-  and mapped over ``x`` (``jax.vmap``) that is one ``convert_element_type``
-  of ``x`` to its own dtype, weakly typed, on every jax.
 
 jaxprs are read and run again in `jls.precision` only (its ``_interpret``).
 """
@@ -72,30 +68,3 @@ def tracked_in(values: Any, axes: tuple[str, ...]) -> bool:
     """`tracks_varying_axes`, known already if one of ``values`` varies."""
     leaves = jax.tree.leaves(values)
     return any(varying_axes(x) for x in leaves) or tracks_varying_axes(axes)
-
-
-def weakly_typed(x: jax.Array) -> jax.Array:
-    """``x`` as a weakly typed array of its dtype (``lax.cond`` joins to one).
-
-    A weakly typed state leaf selected against a strong new value would come
-    back strong, and the step would be traced again with the new types. Only
-    the dtypes a Python scalar takes (float32, int32, complex64; their 64-bit
-    kin under x64) can be made weak this way; ``x`` of another dtype comes
-    back as it is (jax makes no weak float16 itself), and such a state is
-    traced once more on its first step.
-    """
-    kind = next((k for d, k in _KINDS if jnp.issubdtype(x.dtype, d)), None)
-    if kind is None or jnp.result_type(kind(0)) != x.dtype:
-        return x
-
-    def weak(value: Any) -> Any:
-        # full_like takes its dtype and weak type from the scalar, its value
-        # from ``value``: a convert_element_type(weak_type=True) of ``value``.
-        return lax.full_like(kind(0), value)
-
-    for _ in range(x.ndim):
-        weak = jax.vmap(weak)
-    return weak(x)
-
-
-_KINDS = ((jnp.complexfloating, complex), (jnp.floating, float), (jnp.integer, int))

@@ -1,19 +1,19 @@
-"""The skip's pieces: exact selects and the values a skipped step returns.
+"""The skip: each new leaf selected against its old one, bitwise.
 
-`jls._substitute` is the skip itself. A skipped step leaves every leaf
-bitwise as it was: a select picks bits, it does not mask with ``0 * x``
-(nan for an inf ``x``), so no nan reaches a state; the skipped updates of
-``tx.update`` are ``-0.0`` (``p + (-0.0)`` is ``p`` bitwise), laid out as
-the updates are.
+The step runs the inner optimizer's update unconditionally, then keeps
+each result (the parameters or the updates, every leaf of the inner
+state) with `select_tree`: the new leaf where the step applies, its old
+value where it does not. That is jmp's and flax's form (``lax.select``
+per leaf), on public jax only. A select picks bits, it does not mask with
+``0 * x`` (nan for an inf ``x``), so no nan reaches a state; a float
+narrower than float32 is selected as its bits, so a nan's payload is kept;
+a weakly typed old leaf stays weakly typed, so the step is traced once.
+The skipped updates of ``tx.update`` are ``-0.0`` (`zeros_like`:
+``p + (-0.0)`` is ``p`` bitwise), laid out as the updates are.
 
-Two earlier forms were measured against it in both donation modes
-(``benchmarks/bench_skip_modes.py`` keeps them; the figures are in
-``docs/performance.md``): a select per leaf after the update, free without
-donation, made XLA:CPU copy every moment when the caller donated (the
-select's fusions read the old moments after the update overwrote them);
-one ``lax.cond`` whose skip branch passes the state through, free with
-donation, made XLA copy every parameter and moment without it (read-only
-arguments cannot become a conditional's outputs).
+``benchmarks/bench_skip_modes.py`` keeps the other forms measured against
+this one (a ``lax.cond``, a re-run of the update's program), and
+``docs/performance.md`` what each costs in each donation mode.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jls._compat import varying_of, weakly_typed
+from jls._compat import varying_of
 
 
 def zero(dtype: Any) -> Any:
@@ -72,34 +73,44 @@ def zeros_like(shapes: Any, *likes: Any) -> Any:
     return treedef.unflatten([zero_of(i, s) for i, s in enumerate(leaves)])
 
 
-def cast_like(tree: Any, like: Any) -> Any:
-    """Casts ``tree``'s leaves to the dtypes of ``like``'s (shape structs).
+def select_tree(apply: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``apply`` (a scalar bool), else ``old``: every leaf, bitwise.
 
-    Not ``optax.tree.cast_like``: that casts every leaf, and ``astype`` makes
-    a weakly typed leaf strong, so a skipped step would change the state's
-    types and retrace the step once.
+    The one skip of jls: the step's results, `jls.keep_if_skipped` and
+    ``jls.flax``'s kept fields all go through it. ``old`` has ``new``'s
+    structure; each leaf is `select`-ed (``new``'s dtype and sharding,
+    weakly typed where ``old`` is). ``None`` leaves stay ``None``, and a leaf
+    of ``new`` that is no array (a function) is returned as it is.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jls._cond import select_tree
+      >>> new = {"m": jnp.array([jnp.nan, 2.0])}
+      >>> select_tree(jnp.asarray(False), new, {"m": jnp.zeros(2)})["m"]
+      Array([0., 0.], dtype=float32)
     """
     return jax.tree.map(
-        lambda x, s: x if x is None or x.dtype == s.dtype else x.astype(s.dtype),
-        tree,
-        like,
+        lambda n, o: select(apply, n, o) if _is_array(n) else n, new, old
     )
 
 
-def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> Any:
+def _is_array(x: Any) -> bool:
+    """Whether ``x`` is a value `select` takes (not a function, not a class)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def select(apply: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``apply`` (a scalar), else ``old``, bitwise.
 
-    The result has ``new``'s dtype, weakly typed if ``old`` is (as
-    ``lax.cond`` joins them), so a weakly typed state keeps its types and the
-    step is traced once; ``weak``, if given, says instead. Floats narrower
-    than float32 are selected as their bits: XLA:CPU computes them in
-    float32, and a select it widens that way would canonicalise a nan's
-    payload.
+    The result has ``new``'s dtype and sharding, weakly typed where ``old``
+    is weakly typed and of that dtype, so a weakly typed state keeps its
+    types and the step is traced once. Floats narrower than float32 are
+    selected as their bits: XLA:CPU computes them in float32, and a select
+    it widens that way would canonicalise a nan's payload.
     """
     new = jnp.asarray(new)
     old = jnp.asarray(old)
-    if weak is None:
-        weak = bool(jax.typeof(old).weak_type and old.dtype == new.dtype)
+    weak = bool(jax.typeof(old).weak_type and old.dtype == new.dtype)
     if old.dtype != new.dtype:
         old = old.astype(new.dtype)
     old = _like(old, new)
@@ -114,7 +125,19 @@ def select(apply: jax.Array, new: Any, old: Any, weak: bool | None = None) -> An
         chosen = lax.bitcast_convert_type(chosen, new.dtype)
     else:
         chosen = lax.select(apply, new, old)
-    return retyped(chosen, weak)
+    if weak and not jax.typeof(chosen).weak_type:
+        chosen = _weakly_typed(chosen, old)
+    return chosen
+
+
+def _weakly_typed(x: jax.Array, weak: jax.Array) -> jax.Array:
+    """``x``, weakly typed as ``weak`` (of its dtype, shape and layout) is.
+
+    ``lax.cond`` joins a strong and a weakly typed branch into a weakly typed
+    result (public jax has no cast to a weak type); its predicate is a
+    constant, so XLA keeps ``x`` alone and no conditional runs.
+    """
+    return lax.cond(True, lambda: x, lambda: weak)
 
 
 def _like(old: jax.Array, new: jax.Array) -> jax.Array:
@@ -129,13 +152,6 @@ def _like(old: jax.Array, new: jax.Array) -> jax.Array:
     if want.mesh.empty or explicit not in tuple(getattr(want.mesh, "axis_types", ())):
         return old
     return jax.sharding.reshard(old, want)
-
-
-def retyped(x: jax.Array, weak: bool) -> jax.Array:
-    """``x``, weakly typed or not as ``weak`` says."""
-    if jax.typeof(x).weak_type == weak:
-        return x
-    return weakly_typed(x) if weak else lax.convert_element_type(x, x.dtype)
 
 
 _UINT = {4: jnp.uint4, 8: jnp.uint8, 16: jnp.uint16}

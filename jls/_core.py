@@ -11,23 +11,22 @@ One loss-scaled step, inside ``jit``, for every entry point (``tx.update``,
 2. `jls._decision.decide`: one read of the scaled gradients decides whether
    the unscaled ones are all finite (and measures their range and norm if
    the rule or a hook needs them); every replica agrees.
-3. `finish`: the hooks' vetoes and gradient factors, the skip
-   (`jls._substitute`, one form whether the caller donates or not: the
-   applying computation unscales the gradients with one multiplication
-   that XLA fuses into the optimizer's update, runs the inner optimizer and,
-   on the fused path, adds the updates; a skipped step leaves every leaf as
-   it was; a hook that reads the applied updates reads them there, on the
-   steps it asks), the scale rule, and each hook's record.
+3. `finish`: the hooks' vetoes and gradient factors, then the update, run
+   whether the step applies or not: the gradients unscaled with one
+   multiplication a leaf (`unscaled_grads`, which XLA fuses into the
+   optimizer's update), the inner optimizer's update and, on the fused path,
+   the new parameters. Each result (the parameters or the updates, every
+   leaf of the inner state) is then kept or dropped by one select per leaf
+   (`jls._cond.select_tree`): a skipped step returns every leaf bitwise as it
+   was, and ``-0.0`` updates. A hook that reads the applied updates reads
+   them beside the update (`jls.hooks._hooks.read_hooks_updates`); then the
+   scale rule (`adjusted`) and each hook's record (`recorded`).
 
 `step` chains them: the documented internal entry point. `jls.train_step`
 calls them itself, `decide` once per attempt (its retries). With
 ``jls.no_scale(skip_nonfinite=False)`` nothing is checked: the step is the
-inner optimizer's own (`jls._off`).
-
-How the skip was chosen (``benchmarks/bench_step.py``, ``bench_skip.py``,
-the figures in ``docs/performance.md``): unscaling before the decision
-materialises a second gradient tree, a division in the branch is not
-duplicated into Adam's two uses of the gradient, a multiplication is.
+inner optimizer's own (`jls._off`). Every function here uses public jax
+only (``jax.lax``, ``jax.numpy``, ``jax.tree``).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jls import _cond, _substitute, _view
 from jls._composition import check_not_masked
+from jls._cond import select_tree, zeros_like
 from jls._config import Config
 from jls._decision import (
     Decision,
@@ -55,7 +54,7 @@ from jls._off import off_step, warn_float16
 from jls._scaling import check_scaled_with, reciprocals, unscale_leaf
 from jls._state import LossScaleState, check_state
 from jls._tree import holds, merge, split_frozen, split_inexact
-from jls.hooks._hooks import Hook, LossScalingState, StepInfo
+from jls.hooks._hooks import LossScalingState, StepInfo, read_hooks_updates
 
 
 class Prepared(NamedTuple):
@@ -177,7 +176,41 @@ def finish(
     if config.off:
         return off_step(config.inner, grads, state, params, args, fused, loss)
     assert decision is not None
-    info = StepInfo(
+    info = step_info(config, grads, state, decision, loss)
+    vetoed, held = vetoes(config, state.hooks, info, decision.apply)
+    apply = decision.apply
+    for v in vetoed.values():
+        apply = apply & ~v
+    unscaled = unscaled_grads(config, grads, state, info)
+    updates, inner_state = config.inner.update(
+        unscaled, state.inner_state, params, **args
+    )
+    readers = [
+        h for h in config.hooks if h.reads_updates(state.hooks[h.name]) is not None
+    ]
+    new = optax.apply_updates(params, updates) if fused or readers else None
+    reads = read_hooks_updates(readers, state.hooks, params, new, updates)
+    if fused:
+        out = select_tree(apply, new, params)
+    else:
+        out = select_tree(apply, updates, zeros_like(updates, grads, params))
+    inner_state = select_tree(apply, inner_state, state.inner_state)
+    loss_scale = adjusted(
+        config, state.loss_scale, decision, apply, vetoed, held, retries
+    )
+    hooks = recorded(config, state.hooks, info, apply, loss_scale, reads, vetoed)
+    return out, LossScalingState(loss_scale, inner_state, hooks)
+
+
+def step_info(
+    config: Config,
+    grads: Any,
+    state: LossScalingState,
+    decision: Decision,
+    loss: jax.Array | None,
+) -> StepInfo:
+    """What the hooks see of the step before it is applied (`StepInfo`)."""
+    return StepInfo(
         grads=grads,
         scale=state.loss_scale.scale,
         finite=decision.finite,
@@ -191,82 +224,74 @@ def finish(
         ),
         axis_name=config.axis_name,
     )
-    vetoed, held = vetoes(config, state.hooks, info, decision.apply)
-    apply = decision.apply
-    for v in vetoed.values():
-        apply = apply & ~v
-    # Computed once, before the skip (not once per fusion that reads one).
+
+
+def unscaled_grads(
+    config: Config, grads: Any, state: LossScalingState, info: StepInfo
+) -> Any:
+    """The gradients unscaled, times the hooks' factor: one multiplication a leaf.
+
+    The reciprocals are computed once (not once per fusion that reads one),
+    and XLA fuses the multiplication into the optimizer's update.
+    """
     factors = {}
-    if not config.scaler.is_identity:
+    if not config.scaler.is_identity:  # no factors: the scale is 1 forever
         two = config.scaler.two_factor
         factors = reciprocals(state.loss_scale.scale, grads, two_factor=two)
     shrink = gradient_factor(config, state.hooks, info)
+    if not factors and shrink is None:
+        return grads
+    return jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
 
-    readers = [
-        h for h in config.hooks if h.reads_updates(state.hooks[h.name]) is not None
-    ]
 
-    def taken(operands):  # ((the outputs, the hooks' reads), the inner state)
-        grads, inner_state, params = operands
-        if factors or shrink is not None:  # no factors: the scale is 1 forever
-            grads = jax.tree.map(lambda g: unscale_leaf(g, factors, shrink), grads)
-        view_of = None
-        if any(type(h).update_view is not Hook.update_view for h in readers):
-            # A hook reads a view of each update: evaluated so that the view is
-            # computed from views of the optimizer's values (`jls._view`).
-            (updates, inner_state), evaluation = _view.evaluate(
-                lambda g, s, p: config.inner.update(g, s, p, **args),
-                grads,
-                inner_state,
-                params,
-            )
-            view_of = evaluation.view
-        else:
-            updates, inner_state = config.inner.update(
-                grads, inner_state, params, **args
-            )
-        new = optax.apply_updates(params, updates) if fused or readers else None
-        reads = _view.read_updates(readers, state.hooks, params, new, updates, view_of)
-        return ((new if fused else updates), reads), inner_state
-
-    def skipped(operands, shapes):
-        grads, inner_state, params = operands
-        (out, reads), inner = shapes
-        nothing = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), reads)
-        if fused:
-            kept, kept_state = _cond.cast_like((params, inner_state), (out, inner))
-            return (kept, nothing), kept_state
-        zeros = _cond.zeros_like(out, grads, params)
-        return (zeros, nothing), _cond.cast_like(inner_state, inner)
-
+def adjusted(
+    config: Config,
+    old: LossScaleState,
+    decision: Decision,
+    apply: jax.Array,
+    vetoed: dict[str, jax.Array],
+    held: jax.Array | None,
+    retries: jax.Array | None = None,
+) -> LossScaleState:
+    """The scale rule after the step (held where a holding veto skipped it)."""
+    scaler = config.scaler
     # With skip_nonfinite and no veto, finite == applied: the rule reads one flag.
-    known = config.scaler.skip_nonfinite and not vetoed
-    scaler, old = config.scaler, state.loss_scale
-
-    def adjusted(applied: jax.Array) -> LossScaleState:
-        new = scaler.adjust(
-            old,
-            applied if known else decision.finite,
-            applied=applied,
-            magnitude=decision.magnitude,
-            retries=retries,
-        )
-        if held is None:
-            return new
-        kept = scaler.hold(old, decision.finite)
-        hold = held & ~applied
-        return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
-
-    ((out, reads), inner_state), loss_scale = _substitute.substituted(
-        apply, taken, skipped, (grads, state.inner_state, params), adjusted
+    known = scaler.skip_nonfinite and not vetoed
+    new = scaler.adjust(
+        old,
+        apply if known else decision.finite,
+        applied=apply,
+        magnitude=decision.magnitude,
+        retries=retries,
     )
+    if held is None:
+        return new
+    kept = scaler.hold(old, decision.finite)
+    hold = held & ~apply
+    return jax.tree.map(lambda k, n: jnp.where(hold, k, n), kept, new)
+
+
+def recorded(
+    config: Config,
+    hook_states: dict[str, Any],
+    info: StepInfo,
+    apply: jax.Array,
+    loss_scale: LossScaleState,
+    reads: dict[str, Any],
+    vetoed: dict[str, jax.Array],
+) -> dict[str, Any]:
+    """Each hook's state after the step (`Hook.update`), by name.
+
+    ``reads`` are zeros on a skipped step (`Hook.read_updates`).
+    """
+    nothing = jax.tree.map(jnp.zeros_like, reads)
+    reads = select_tree(apply, reads, nothing)
     after = info._replace(applied=apply, loss_scale=loss_scale, reads=reads)
     no_veto = jnp.asarray(False)
-    hooks = {
-        h.name: h.update(state.hooks[h.name], after, vetoed.get(h.name, no_veto))
+    return {
+        h.name: h.update(hook_states[h.name], after, vetoed.get(h.name, no_veto))
         for h in config.hooks
     }
-    return out, LossScalingState(loss_scale, inner_state, hooks)
 
 
 def _validated(config: Config, opt_state: Any) -> LossScalingState:

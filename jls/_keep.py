@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jls._cond import select
+from jls._cond import select_tree
 from jls._tree import loss_scale_state
 
 
@@ -81,4 +81,4 @@ def keep_if_skipped(new: Any, old: Any, *opt_states: Any) -> Any:
             "keep_if_skipped(new, old, ...): new and old must have one structure, "
             f"got {jax.tree.structure(new)} and {jax.tree.structure(old)}"
         )
-    return jax.tree.map(lambda n, o: select(applied, n, o), new, old)
+    return select_tree(applied, new, old)

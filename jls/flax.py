@@ -5,7 +5,8 @@
 transformation that works, but materialises the updates tree between the two
 (the ``tx.update`` path, measured in ``benchmarks/bench_flax.py``). These
 subclasses change only that: they apply the step with `jls.apply_gradients`
-(one ``lax.cond`` around the inner update and the parameter update), and
+(the inner update and the parameter update in one step, each new leaf
+selected against its old one), and
 their ``step`` counts applied steps only, so it matches the inner optimizer's
 own count and the schedules it drives. Everything else is flax's.
 
@@ -27,14 +28,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state
-from jax import lax
 
-from jls._cond import select
+from jls._cond import select_tree
 from jls._core import step
 from jls._loss_scaling import apply_gradients, metrics
 from jls._transformation import config_of
@@ -109,7 +108,7 @@ class TrainState(train_state.TrainState):
         if fp8:
             new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
             old[OVERWRITE_WITH_GRADIENT] = self.params[OVERWRITE_WITH_GRADIENT]
-        kept = new if off else _unless_skipped(applied, new, old, False)
+        kept = new if off else select_tree(applied, new, old)
         if fp8:
             new_params = {
                 "params": new_params,
@@ -121,23 +120,6 @@ class TrainState(train_state.TrainState):
             opt_state=opt_state,
             **kept,
         )
-
-
-def _unless_skipped(applied: Any, new: Any, old: Any, donated: bool) -> Any:
-    """``new`` if the step was applied, else ``old``, bitwise.
-
-    A tree the step replaces wholesale, so that a skipped step leaves it
-    bitwise as it was; its new values are never mixed in arithmetic. A
-    select per leaf, or one ``lax.cond`` when the caller donates the state
-    (``loss_scaling(..., donated=True)``; see `jls._cond`).
-    """
-    if not jax.tree.leaves(new):
-        return new
-    new = jax.tree.map(jnp.asarray, new)
-    old = jax.tree.map(lambda o, n: jnp.asarray(o, n.dtype), old, new)
-    if not donated:
-        return jax.tree.map(lambda n, o: select(applied, n, o), new, old)
-    return lax.cond(applied, lambda n, o: n, lambda n, o: o, new, old)
 
 
 def _pure(tree: Any) -> Any:
@@ -212,7 +194,7 @@ class Optimizer(nnx.Optimizer):
         applied = jnp.asarray(True) if off else ~metrics(opt_state)["skipped"]
         if self.keep is not None and not off:
             now = _pure(nnx.state(model, self.keep, **graph))
-            kept = _unless_skipped(applied, now, _pure(self.kept), False)
+            kept = select_tree(applied, now, _pure(self.kept))
             nnx.update(model, kept)
             nnx.update(self.kept, to_opt_state(kept))
         self.step[...] += applied.astype(self.step[...].dtype)

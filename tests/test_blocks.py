@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jls.hooks._blocks import _cut, _read, read_phases
+from jls.hooks._blocks import cut_axis, read_block, read_phases
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_a_leaf_is_cut_along_its_first_axis_of_whole_rows_a_step(shape, every, a
     # The first axis whose length is a multiple of every * 16: a step reads a
     # multiple of 16 of its indices, so a shard along it over up to 16
     # devices holds whole runs of `every` and reads its own entries.
-    assert _cut(shape, every) == axis
+    assert cut_axis(shape, every) == axis
 
 
 @pytest.mark.parametrize("every", [2, 3, 16])
@@ -40,10 +40,10 @@ def test_a_leaf_is_cut_along_its_first_axis_of_whole_rows_a_step(shape, every, a
     [(8, 64, 512), (64, 4096), (32, 4, 512), (512, 8, 64), (768, 10), (2048,), (96, 6)],
 )
 def test_the_slice_is_the_entries_read_phases_names(shape, every):
-    # `_read` (what the step slices) and `read_phases` (the numpy model the
+    # `read_block` (what the step slices) and `read_phases` (the numpy model the
     # tests count with) name the same entries at every phase, and each
     # entry once per cycle.
-    cut = _cut(shape, every)
+    cut = cut_axis(shape, every)
     ids = np.arange(np.prod(shape)).reshape(shape)
     phases = read_phases(shape, every)
     if cut is None:  # read whole, under a mask along the last axis
@@ -51,7 +51,7 @@ def test_the_slice_is_the_entries_read_phases_names(shape, every):
         return
     seen = []
     for phase in range(every):
-        got = np.asarray(_read(jnp.asarray(ids), jnp.int32(phase), every, cut))
+        got = np.asarray(read_block(jnp.asarray(ids), jnp.int32(phase), every, cut))
         # The cut axis first: never the leading 1 of a leaf read whole.
         assert got.shape[0] == shape[cut] // every >= 16
         assert sorted(got.ravel().tolist()) == sorted(ids[phases == phase].tolist())

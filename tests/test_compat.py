@@ -12,7 +12,6 @@ from jls._compat import (
     tracked_in,
     tracks_varying_axes,
     varying_axes,
-    weakly_typed,
 )
 
 MESH = jax.make_mesh((1,), ("data",))
@@ -72,63 +71,3 @@ def test_nothing_is_tracked_under_vmap_pmap_or_without_axes():
     assert not tracks_varying_axes(())
     assert varying_axes(jnp.ones(3)) == frozenset()
     assert pvary(np.float32(2), ()) == 2  # no axes: untouched
-
-
-@pytest.mark.parametrize(
-    "x",
-    [
-        np.float32(1.5),
-        np.arange(6, dtype=np.float32).reshape(2, 3),
-        np.arange(4, dtype=np.int32),
-        np.full((2, 1, 2), 1 - 2j, np.complex64),
-        np.zeros((0, 3), np.float32),
-    ],
-    ids=["scalar", "matrix", "int", "complex", "empty"],
-)
-def test_weakly_typed_keeps_the_value_and_makes_it_weak(x):
-    x = jnp.asarray(x)
-    weak = weakly_typed(x)
-    assert jax.typeof(weak).weak_type and not jax.typeof(x).weak_type
-    assert weak.dtype == x.dtype and weak.shape == x.shape
-    np.testing.assert_array_equal(weak, x)
-    # Traced, it is one convert_element_type to its own dtype: no copy, no op.
-    eqns = jax.make_jaxpr(weakly_typed)(x).jaxpr.eqns
-    assert [(e.primitive.name, e.params["weak_type"]) for e in eqns] == [
-        ("convert_element_type", True)
-    ]
-
-
-def test_a_weak_leaf_stays_weak_through_a_select_and_the_step_traces_once():
-    # What it is for: a weakly typed state leaf (jnp.full(..., 0.1)) selected
-    # against a strong new value comes back strong, and a jitted step called
-    # again on its own output is traced a second time.
-    traces = []
-
-    @jax.jit
-    def step(apply, old):
-        traces.append(1)
-        new = old * np.float32(2)  # strong, as an optimizer's update is
-        return weakly_typed(jax.lax.select(apply, new, old))
-
-    state = jnp.full((3,), 0.1)
-    assert jax.typeof(state).weak_type
-    for apply in (True, False, True):
-        state = step(jnp.asarray(apply), state)
-    assert len(traces) == 1 and jax.typeof(state).weak_type
-    np.testing.assert_array_equal(state, np.full(3, 0.4, np.float32))
-
-
-def test_a_dtype_no_python_scalar_takes_comes_back_as_it_is():
-    x = jnp.ones(3, jnp.float16)  # no public jax makes a weak float16
-    assert weakly_typed(x) is x
-
-
-def test_weakly_typed_keeps_the_varying_axes_inside_shard_map():
-    seen = _inside_shard_map(
-        lambda x: {
-            "weak": jax.typeof(weakly_typed(x)).weak_type,
-            "axes": varying_axes(weakly_typed(x)),
-        },
-        check_vma=True,
-    )
-    assert seen == {"weak": True, "axes": frozenset({"data"})}

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 import pytest
 from steps import (
     PATHS,
@@ -21,6 +22,7 @@ from steps import (
 )
 
 import jls
+from jls import _cond
 
 BAD = [np.inf, -np.inf, np.nan]
 
@@ -167,8 +169,7 @@ def test_weakly_typed_state_keeps_its_types_over_a_skipped_step():
     assert jax.tree.map(jax.typeof, after) == jax.tree.map(jax.typeof, state)
 
 
-@pytest.mark.parametrize("donated", [False, True])
-def test_skipped_updates_take_the_updates_sharding_not_the_gradients(donated):
+def test_skipped_updates_take_the_updates_sharding_not_the_gradients():
     # Parameters sharded on an explicit mesh, gradients replicated: optax's
     # updates follow the parameters, and so must the skip's -0.0 zeros (they
     # took the gradients' sharding, and lax.select / lax.cond refused).
@@ -176,7 +177,7 @@ def test_skipped_updates_take_the_updates_sharding_not_the_gradients(donated):
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Explicit,))
-    tx = jls.loss_scaling(optax.adam(0.1), jls.static_scale(4.0), donated=donated)
+    tx = jls.loss_scaling(optax.adam(0.1), jls.static_scale(4.0))
     with jax.set_mesh(mesh):
         params = jax.device_put(jnp.ones((4, 4)), P("d", None))
         state = tx.init(params)
@@ -188,16 +189,13 @@ def test_skipped_updates_take_the_updates_sharding_not_the_gradients(donated):
     assert np.signbit(np.asarray(updates)).all()
 
 
-@pytest.mark.parametrize("donated", [False, True])
-def test_skipped_updates_vary_as_the_updates_do_under_shard_map(donated):
+def test_skipped_updates_vary_as_the_updates_do_under_shard_map():
     # Per-replica parameters, averaged (replicated) gradients: the updates
     # vary over the axis, the gradients do not; the skip's zeros must vary.
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((1,), ("batch",))
-    tx = jls.loss_scaling(
-        optax.sgd(0.1), jls.static_scale(4.0), axis_name="batch", donated=donated
-    )
+    tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(4.0), axis_name="batch")
 
     def body(g, s, p):
         g, s, p = jax.tree.map(lambda x: x[0], (g, s, p))
@@ -213,3 +211,163 @@ def test_skipped_updates_vary_as_the_updates_do_under_shard_map(donated):
     params = put(np.ones((1, 3), np.float32))
     new, _ = step(put(np.full((1, 3), np.inf, np.float32)), state, params)
     assert np.array_equal(np.asarray(new), np.asarray(params))
+
+
+def _cond_and_custom_jvp(lr=0.1):
+    """A momentum whose update holds a ``lax.cond`` and a custom_jvp (relu)."""
+
+    def init(params):
+        return {
+            "mu": jax.tree.map(jnp.zeros_like, params),
+            "n": jnp.zeros((), jnp.int32),
+        }
+
+    def update(grads, state, params=None):
+        del params
+        mu = jax.tree.map(lambda m, g: 0.9 * m + jax.nn.relu(g), state["mu"], grads)
+        mu = jax.lax.cond(
+            state["n"] % 2 == 0,
+            lambda t: t,
+            lambda t: jax.tree.map(lambda x: 0.5 * x, t),
+            mu,
+        )
+        updates = jax.tree.map(lambda m, g: -lr * (m + g), mu, grads)
+        return updates, {"mu": mu, "n": state["n"] + 1}
+
+    return optax.GradientTransformation(init, update)
+
+
+def _jitted(inner):
+    """``inner`` with its update wrapped in ``jax.jit`` (a nested program)."""
+    return optax.GradientTransformation(inner.init, jax.jit(inner.update))
+
+
+INNER = {
+    "adam": lambda: optax.adam(1e-2),
+    "cond_custom_jvp": _cond_and_custom_jvp,
+    "jitted_adam": lambda: _jitted(optax.adam(1e-2)),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=1e-2
+    ),
+    "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2),
+}
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def _run(inner, path, donate, scaled=True, steps=2):
+    """Finite steps, then a nan one: every (params, inner state) on the way.
+
+    The gradients are scaled by 2**10. ``scaled``: through `jls.loss_scaling`;
+    else the inner optimizer alone, on the gradients times 2**-10 (as jls
+    unscales them: one multiplication, exact), and no nan step.
+    """
+    tx = jls.loss_scaling(inner, jls.dynamic_scale(2.0**10)) if scaled else inner
+    params = _params()
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        if path == "fused" and scaled:
+            return jls.apply_gradients(tx, grads, state, params)
+        if not scaled:
+            grads = jax.tree.map(lambda g: g * np.float32(2.0**-10), grads)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    seen = []
+    for i in range(steps + 1 if scaled else steps):
+        grads = jax.tree.map(lambda p, k=i + 2: jnp.sin(p * k) * 2.0**10, params)
+        if i == steps:
+            grads = _poison(grads, np.nan, leaf=1, where=1)
+        params, state = step(_copy(params), _copy(state), grads)
+        inner_state = state.inner_state if scaled else state
+        seen.append(jax.device_get((params, inner_state)))
+    return seen
+
+
+@pytest.mark.parametrize("path", ["fused", "update"])
+@pytest.mark.parametrize("inner", list(INNER))
+def test_finite_steps_are_the_inner_optimizers_bits_and_a_skip_changes_nothing(
+    inner, path
+):
+    # Nested programs in the update (a lax.cond, a custom_jvp, a jax.jit,
+    # MultiSteps' conditional, inject_hyperparams): each finite step gives
+    # the bits of the inner optimizer alone, the nan step leaves every leaf.
+    ref = _run(INNER[inner](), path, donate=False, scaled=False)
+    for donate in (False, True):
+        got = _run(INNER[inner](), path, donate=donate)
+        chex.assert_trees_all_equal(got[:-1], ref, strict=True)
+        chex.assert_trees_all_equal(got[-1], got[-2], strict=True)
+
+
+@pytest.mark.parametrize("path", ["fused", "update"])
+def test_under_vmap_each_member_applies_or_skips_on_its_own(path):
+    tx = jls.loss_scaling(optax.adam(1e-2), jls.dynamic_scale(2.0**10))
+    params = _params()
+    state = tx.init(params)
+    grads = _scaled_grads(params, state)
+    bad = _poison(grads, np.inf)
+    batch = jax.tree.map(lambda g, b: jnp.stack([g, b, g]), grads, bad)
+    stack = lambda t: jax.tree.map(lambda x: jnp.stack([x] * 3), t)  # noqa: E731
+    got = jax.jit(jax.vmap(PATHS[path](tx)))(stack(params), stack(state), batch)
+    alone = PATHS[path](tx)(params, state, grads)
+    for i in (0, 2):  # applied, as the step alone
+        member = jax.tree.map(lambda x, i=i: x[i], got[:2])
+        chex.assert_trees_all_equal(member, alone[:2], strict=True)
+    skipped = jax.tree.map(lambda x: x[1], (got[0], got[1].inner_state))
+    chex.assert_trees_all_equal(skipped, (params, state.inner_state), strict=True)
+
+
+def test_two_state_leaves_of_one_value_keep_their_own_old_values():
+    # One value returned as two state leaves whose old values differ: a
+    # skipped step gives each its own.
+    def update(grads, state, params=None):
+        n = state[0] + 1
+        return grads, (n, n)
+
+    inner = optax.GradientTransformation(lambda p: (jnp.int32(0), jnp.int32(0)), update)
+    tx = jls.loss_scaling(inner, jls.dynamic_scale(2.0**10))
+    params = _params()
+    state = tx.init(params)
+    state = state._replace(inner_state=(jnp.int32(3), jnp.int32(7)))
+    grads = _poison(_scaled_grads(params, state), np.nan)
+    _, new, _ = PATHS["fused"](tx)(params, state, grads)
+    assert tuple(int(x) for x in new.inner_state) == (3, 7)
+
+
+def test_parameters_with_a_non_array_leaf_step_as_the_inner_optimizer_does():
+    # An unfiltered equinox-style model: a function among the parameters.
+    tx = jls.loss_scaling(optax.adam(1e-3), jls.static_scale(2.0**10))
+    params = {"w": jnp.ones((3,)), "act": jax.nn.relu}
+    state = tx.init({"w": params["w"], "act": None})
+    grads = {"w": jnp.full((3,), 2.0**10), "act": None}
+    updates, _ = tx.update(grads, state, params)
+    adam = optax.adam(1e-3)
+    alone, _ = adam.update({"w": jnp.ones(3)}, adam.init({"w": params["w"]}))
+    chex.assert_trees_all_equal(updates["w"], alone["w"])  # pyright: ignore[reportIndexIssue]
+    bad = {"w": jnp.full((3,), jnp.nan), "act": None}
+    updates, new = tx.update(bad, state, params)
+    chex.assert_trees_all_equal(updates["w"], jnp.full((3,), -0.0))  # pyright: ignore[reportIndexIssue]
+    chex.assert_trees_all_equal(new.inner_state, state.inner_state)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn])
+def test_select_tree_keeps_a_narrow_nan_payload_and_the_old_types(dtype):
+    # A narrow float is selected as its bits: XLA:CPU computes it in
+    # float32, where a select would canonicalise the nan's payload.
+    bits = {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(dtype).itemsize]
+    payload = {1: 0x7F, 2: 0x7FC1}[jnp.dtype(dtype).itemsize]
+    old = {"x": jax.lax.bitcast_convert_type(jnp.full(3, payload, bits), dtype)}
+    new = {"x": jnp.ones(3, dtype), "weak": jnp.asarray(2.0)}
+    old["weak"] = jnp.asarray(1.0)  # weakly typed: kept so
+    for apply, want in ((False, old), (True, new)):
+        got = jax.jit(_cond.select_tree)(jnp.asarray(apply), new, old)
+        as_bits = jax.lax.bitcast_convert_type(got["x"], bits)
+        want_bits = jax.lax.bitcast_convert_type(want["x"], bits)
+        np.testing.assert_array_equal(as_bits, want_bits)
+        assert jax.typeof(got["weak"]).weak_type
+        assert float(got["weak"]) == float(want["weak"])

@@ -1,5 +1,7 @@
 """The step's pure functions: one entry point, state checked once, params split once."""
 
+# pyright: reportAttributeAccessIssue=false
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -87,3 +89,29 @@ def test_the_off_switch_finishes_without_a_decision():
     prepared = _core.prepare(config, grads, state, {})
     new, _ = _core.finish(config, grads, prepared, PARAMS, None, fused=True)
     chex.assert_trees_all_equal(new, jax.tree.map(lambda p: p - 0.5, PARAMS))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_weakly_typed_state_is_traced_once_over_skipped_and_applied_steps(fused):
+    # jnp.full(..., 0.1) is weakly typed, and so are Adam's moments made from
+    # it; the new moments are strong. The skip's selects keep each old
+    # leaf's type, so no step retraces (plain optax retraces once here).
+    params = {"b": jnp.full((3,), 0.1)}
+    tx = jls.loss_scaling(optax.adam(1e-2), jls.dynamic_scale(2.0**4))
+    state = tx.init(params)
+    assert jax.typeof(state.inner_state[0].mu["b"]).weak_type
+    chex.clear_trace_counter()  # it counts by the function's code, over tests
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, state, grads):
+        if fused:
+            return jls.apply_gradients(tx, grads, state, params)
+        # optax.apply_updates makes weak parameters strong, with or without
+        # jls: the parameters are kept, the state is threaded.
+        return params, tx.update(grads, state, params)[1]
+
+    for value in (jnp.nan, 1.0, jnp.inf, 2.0, 3.0):  # strong gradients, strong moments
+        params, state = step(params, state, {"b": jnp.full((3,), value, jnp.float32)})
+    assert int(state.loss_scale.total_skips) == 2
+    assert jax.typeof(state.inner_state[0].mu["b"]).weak_type

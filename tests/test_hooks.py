@@ -159,8 +159,9 @@ def test_a_holding_veto_leaves_the_scale_rule_where_it_was():
     assert float(jls.metrics(other)["loss_scale"]) == 2.0**9
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["undonated", "donated"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(fused):
+def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(donate, fused):
     # sgd(0.5): the updates are -0.5 * g; read on calls 0, 2, 4 (call 2 is
     # skipped: nothing read), held between.
     tx = jls.loss_scaling(optax.sgd(0.5), jls.no_scale(), hooks=[SumUpdates()])
@@ -171,8 +172,8 @@ def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(fused):
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    step = jax.jit(step)
-    params, state = PARAMS, tx.init(PARAMS)
+    step = jax.jit(step, donate_argnums=(1, 2) if donate else ())
+    params, state = jax.tree.map(jnp.copy, PARAMS), tx.init(PARAMS)
     seen = []
     for value in (1.0, 2.0, jnp.nan, 3.0, 4.0):
         params, state = step(_grads(value), state, params)
@@ -182,6 +183,51 @@ def test_a_hook_reads_the_applied_updates_on_the_steps_it_asks(fused):
     # and -3 (b), and become -4 and -5: 4 * -4 + 2 * -5.
     assert seen == [[-3.0, 1.0]] * 4 + [[-12.0, -26.0]]
     chex.assert_max_traces(n=1)
+
+
+class AddReads(jls.hooks.Hook):
+    """Adds up what it reads of every step's updates and new parameters."""
+
+    name = "add_reads"
+
+    def init(self, params):
+        return jnp.zeros(2)
+
+    def reads_updates(self, state):
+        return True  # inline, every step
+
+    def read_updates(self, state, new_params, updates):
+        return jnp.stack(
+            [
+                sum(jnp.sum(u) for u in jax.tree.leaves(updates)),
+                sum(jnp.sum(p) for p in jax.tree.leaves(new_params)),
+            ]
+        )
+
+    def update(self, state, info, vetoed):
+        assert info.reads is not None
+        return state + info.reads[self.name]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_step_reads_zeros_not_its_nan_updates(fused):
+    # The read runs beside the update on every step; a skipped step's
+    # reads are zeros of their types (its updates are nan here).
+    tx = jls.loss_scaling(optax.sgd(0.5), jls.no_scale(), hooks=[AddReads()])
+
+    def step(g, s, p):
+        if fused:
+            return jls.apply_gradients(tx, g, s, p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step)
+    params, state = PARAMS, tx.init(PARAMS)
+    for value in (1.0, jnp.nan, 2.0):
+        params, state = step(_grads(value), state, params)
+    # Call 0: six updates of -0.5, new parameters 4 * 0.5 + 2 * -0.5; call 2:
+    # six of -1, new parameters 4 * -0.5 + 2 * -1.5.
+    assert np.asarray(state.hooks["add_reads"]).tolist() == [-9.0, -4.0]
 
 
 def test_hook_misuse_is_named():

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jls
+from jls._transformation import config_of
 
 
 def _reference(grads, dtype):
@@ -161,18 +162,15 @@ def test_a_complex_gradient_near_the_maximum_keeps_its_headroom():
     )
 
 
-def _run(scale_stats, grads_seq):
-    """Fused, jitted, donated steps over ``grads_seq``; every step's results."""
+def _run(scale_stats, grads_seq, donate=True):
+    """Fused, jitted steps over ``grads_seq`` (donated or not); every step's results."""
     params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
     tx = jls.loss_scaling(
-        optax.adam(0.1),
-        jls.dynamic_scale(2.0**4),
-        scale_stats=scale_stats,
-        donated=True,
+        optax.adam(0.1), jls.dynamic_scale(2.0**4), scale_stats=scale_stats
     )
     traces = []
 
-    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    @functools.partial(jax.jit, donate_argnums=(1, 2) if donate else ())
     def step(g, s, p):
         traces.append(1)
         return jls.apply_gradients(tx, g, s, p)
@@ -199,11 +197,13 @@ def _grads(n, seed=0):
     return seq
 
 
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "undonated"])
 @pytest.mark.parametrize("every", [2, 3])
-def test_every_n_measures_one_step_in_n_and_holds_between(every):
+def test_every_n_measures_one_step_in_n_and_holds_between(every, donate):
+    # Whether the caller donates or not: there is no mode to declare.
     seq = _grads(9)
-    each, _ = _run(True, seq)
-    sampled, traces = _run(jls.hooks.ScaleStats(every=every), seq)
+    each, _ = _run(True, seq, donate)
+    sampled, traces = _run(jls.hooks.ScaleStats(every=every), seq, donate)
     assert traces == 1
     held = None
     for i, ((p1, s1), (p2, s2)) in enumerate(zip(each, sampled, strict=True)):
@@ -231,12 +231,11 @@ def test_every_is_checked_and_every_one_is_the_default():
     chex.assert_trees_all_equal(a, b)
 
 
-def test_every_n_without_donation_is_refused_naming_the_fix():
+def test_every_n_is_accepted_without_donation():
     stats = jls.hooks.ScaleStats(every=4)
     for kwargs in ({"scale_stats": stats}, {"hooks": [stats]}):
-        with pytest.raises(ValueError, match=r"ScaleStats\(every=4\).*or donate"):
-            jls.loss_scaling(optax.sgd(0.1), **kwargs)
-    jls.loss_scaling(optax.sgd(0.1), scale_stats=jls.hooks.ScaleStats(every=1))
+        tx = jls.loss_scaling(optax.sgd(0.1), **kwargs)
+        assert stats in config_of(tx).hooks
 
 
 def test_every_n_agrees_across_replicas():
@@ -247,7 +246,6 @@ def test_every_n_agrees_across_replicas():
         jls.no_scale(),
         axis_name="r",
         scale_stats=jls.hooks.ScaleStats(every=2),
-        donated=True,
     )
     state = tx.init(params)
     g = jnp.stack([jnp.full(8, 1e-9), jnp.full(8, 1.0)])  # replica 0 all small

@@ -5,7 +5,7 @@ One rule: a leaf is cut along its first axis whose length is a multiple of
 along that axis is ``k`` modulo ``every``; a leaf with no such axis is read
 whole, under a mask that keeps the entries whose index along its last axis
 is ``k`` modulo ``every``. Either way each entry is read once per cycle
-(`read_phases` says when, in numpy; `_read` takes the cut leaf's slice).
+(`read_phases` says when, in numpy; `read_block` takes the cut leaf's slice).
 
 The cut reads whole runs of ``every`` consecutive indices along one axis,
 and touches no other: a leaf sharded along any other axis is read where it
@@ -23,10 +23,10 @@ import numpy as np
 from jax import lax
 
 ROWS = 16
-"""A cut axis holds a multiple of this many entries per step (`_cut`)."""
+"""A cut axis holds a multiple of this many entries per step (`cut_axis`)."""
 
 
-def _cut(shape: tuple[int, ...], every: int) -> int | None:
+def cut_axis(shape: tuple[int, ...], every: int) -> int | None:
     """The axis a leaf of ``shape`` is cut along, or ``None`` (read whole).
 
     The first axis whose length is a positive multiple of ``every * ROWS``:
@@ -40,19 +40,19 @@ def _cut(shape: tuple[int, ...], every: int) -> int | None:
 def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
     """The step of the cycle (0 to ``every - 1``) at which each entry is read.
 
-    Its index modulo ``every`` along the axis `_cut` picks, or along the last
+    Its index modulo ``every`` along the axis `cut_axis` picks, or along the last
     axis of a leaf read whole (a scalar is a leaf of shape ``(1,)``). numpy:
-    the model of what `_read` slices and what the mask keeps.
+    the model of what `read_block` slices and what the mask keeps.
     """
     shape = shape or (1,)
-    cut = _cut(shape, every)
+    cut = cut_axis(shape, every)
     axis = len(shape) - 1 if cut is None else cut
     view = [1] * len(shape)
     view[axis] = -1
     return np.broadcast_to((np.arange(shape[axis]) % every).reshape(view), shape)
 
 
-def _read(x: jax.Array, phase: jax.Array, every: int, cut: int) -> jax.Array:
+def read_block(x: jax.Array, phase: jax.Array, every: int, cut: int) -> jax.Array:
     """The entries of ``x`` read at ``phase`` (`read_phases`), the cut axis first.
 
     The cut axis is split into ``(n // every, every)`` and one index of the

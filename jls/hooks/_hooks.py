@@ -42,6 +42,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jls._state import LossScaleState
 
@@ -240,42 +242,25 @@ class Hook:
         ``None`` (the default): never; ``True``: every step, inline with the
         update; a traced scalar bool: the steps it is true on, which a hook
         that samples (one step in ``n``) says from its state. The step then
-        reads inside a conditional of its own, so the steps between pay
-        nothing (in a step that donates; without donation the conditional
-        holds the gradients).
+        reads inside a conditional of its own, so the steps between compute
+        nothing (the conditional holds what it reads, the updates, in memory).
         """
         del state
-        return None
-
-    def update_view(
-        self, state: Any, shape: tuple[int, ...]
-    ) -> Callable[[jax.Array], jax.Array] | None:
-        """The part of each update leaf (of ``shape``) `read_updates` reads.
-
-        ``None`` (the default): the whole leaf. Else a function of an array
-        of ``shape`` that only selects and rearranges its entries (a
-        reshape, a slice: it must commute with elementwise arithmetic).
-        `read_updates` then gets that view of the leaf's new parameter and
-        of its update, and the step computes the update's view from views
-        of the inner optimizer's values where the update is elementwise in
-        them (`jls._view`): the full update keeps its one consumer, the
-        parameter it moves, and is not held in memory for the read.
-        """
-        del state, shape
         return None
 
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """What the hook reads of the updates (a pytree of arrays).
 
-        Computed inside the step's applying branch, beside the update (on the
-        fused path the updates are never a tree in memory): ``updates`` are
+        Computed beside the update, on every step `reads_updates` asks (on
+        the fused path the updates are never a tree in memory unless a read
+        holds them): ``updates`` are
         the inner optimizer's unscaled updates, ``new_params`` the
         parameters they make (``optax.apply_updates``; ``None`` for the
         leaves the step does not update). The parameters before the step
         are not offered: reading them beside their in-place update makes
-        XLA copy them. `update` gets the result as ``info.reads[name]``.
-        Where `update_view` gives a view, both trees hold that view of the
-        leaf instead.
+        XLA copy them. `update` gets the result as ``info.reads[name]``
+        (zeros of its types on a skipped step). A hook that reads a part of
+        each leaf (`jls.hooks.Stagnation`) slices it here.
         """
         del state, new_params, updates
         return ()
@@ -307,3 +292,37 @@ def hook_metrics(hooks: dict[str, Any]) -> dict[str, Any]:
                 )
             out[key] = value
     return out
+
+
+def read_hooks_updates(
+    readers: list[Hook], states: dict[str, Any], params: Any, new: Any, updates: Any
+) -> dict[str, Any]:
+    """Each reading hook's `Hook.read_updates`, by name, on the steps it asks.
+
+    A hook that reads every step (``reads_updates`` is ``True``) reads
+    inline; one that samples reads inside a ``lax.cond`` of its own whose
+    other branch gives zeros, so the steps between compute nothing. The
+    step selects the reads away on a skipped step (`jls._core.recorded`).
+
+    Raises:
+      TypeError: at trace time, where a hook reads and ``params`` is ``None``.
+    """
+    if readers and params is None:
+        raise TypeError(
+            f"the hooks {[h.name for h in readers]} read the updates and need the "
+            "parameters: call tx.update(grads, opt_state, params)"
+        )
+    reads = {}
+    for hook in readers:
+        state = states[hook.name]
+        when = hook.reads_updates(state)
+        now = lambda h=hook, s=state: h.read_updates(s, new, updates)  # noqa: E731
+        if when is True:
+            reads[hook.name] = now()
+            continue
+        types = jax.eval_shape(now)
+        zeros = lambda t=types: jax.tree.map(  # noqa: E731
+            lambda x: jnp.zeros(x.shape, x.dtype), t
+        )
+        reads[hook.name] = lax.cond(jnp.asarray(when), now, zeros)
+    return reads

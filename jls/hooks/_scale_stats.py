@@ -26,11 +26,10 @@ taken as sharded (added), an equal one as replicated (kept).
 ``jls.hooks.ScaleStats(every=n)`` measures one step in ``n`` (the first, then
 every ``n``-th call) inside a ``lax.cond``, and holds the last measurement
 in between: the statistics' second read of the gradients is paid on those
-steps only (under ``vmap`` with a batched state both branches run). It
-needs a donating step (``donated=True``): without donation the conditional
-holds the gradients in memory (``bench_scale_stats.py --steps 8``; the
-figures are in ``docs/performance.md``), and its `ScaleStats.check` refuses
-it.
+steps only (under ``vmap`` with a batched state both branches run). The
+conditional reads the gradients as one of its operands, so XLA may hold
+them in memory where the step without it fuses them into the update
+(``bench_scale_stats.py --steps 8``; ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from jls._scaling import compute_dtype
 from jls._shards import global_rows
 from jls._tree import plain
 from jls._validate import integer
-from jls.hooks._hooks import Hook, HookContext, StepInfo
+from jls.hooks._hooks import Hook, StepInfo
 
 
 class ScaleStatsState(NamedTuple):
@@ -110,11 +109,8 @@ class ScaleStats(Hook):
         dtype; default float16, what loss scaling is for).
       every: measure one call in ``every`` (an int >= 1; default 1, every
         step), holding the last measurement in between: the statistics
-        cost a second read of the gradients on the measured steps only.
-        ``every > 1`` needs ``donated=True`` (a step that donates): without
-        donation the ``lax.cond`` holds the gradients in memory (on the 27M
-        LM more than measuring every step costs), and `jls.loss_scaling`
-        refuses it.
+        cost a second read of the gradients on the measured steps only
+        (inside a ``lax.cond``, which may hold the gradients in memory).
 
     With the off switch (``jls.no_scale(skip_nonfinite=False)``) the
     statistics, like any hook but the divergence flag, take the checked
@@ -122,10 +118,8 @@ class ScaleStats(Hook):
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
-      >>> stats = jls.hooks.ScaleStats(every=2)  # with donation only (see above)
-      >>> tx = jls.loss_scaling(
-      ...     optax.sgd(0.1), jls.no_scale(), scale_stats=stats, donated=True
-      ... )
+      >>> stats = jls.hooks.ScaleStats(every=2)
+      >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.no_scale(), scale_stats=stats)
       >>> params = {"w": jnp.ones(4)}
       >>> state = tx.init(params)
       >>> for g in (1e-6, 1.0, 1.0):  # measured, held, measured
@@ -160,21 +154,6 @@ class ScaleStats(Hook):
                 f"most 32 bits that holds zero, got {dtype.name}"
             )
         object.__setattr__(self, "dtype", dtype)
-
-    def check(self, context: HookContext) -> None:
-        """Refuses sampling (``every > 1``) in a step that does not donate.
-
-        Without donation the conditional that samples holds the gradients
-        in memory (``docs/performance.md`` has the measurement).
-        """
-        if self.every > 1 and not True:  # donated= is gone; the check goes too
-            raise ValueError(
-                f"scale_stats=jls.hooks.ScaleStats(every={self.every}) measures "
-                "inside a lax.cond, which pays only when the step donates "
-                "(donated=True, with jax.jit(..., donate_argnums=...)): without "
-                "donation the conditional holds the gradients in memory. Use "
-                "scale_stats=True (every step), or donate."
-            )
 
     def init(self, params: Any) -> ScaleStatsState:
         del params

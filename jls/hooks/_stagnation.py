@@ -34,16 +34,14 @@ beside the update, with no conditional: no mode to declare and nothing
 kept in memory for a conditional, whether the caller's jit donates or
 not; a leaf sharded along any axis over up to 16 devices is read where
 it lies (a small leaf is read whole, under a mask), except a large leaf
-cut along an inner axis (`_cut`: a (heads, head dim, features) kernel
+cut along an inner axis (`cut_axis`: a (heads, head dim, features) kernel
 along its head dim, so that a step reads runs of consecutive entries)
 sharded along that axis over a device count that does not divide the
-rows a step reads of it. Each update's slice is computed from slices of
-the values that made it (`jls._view`), so XLA holds no update for the
-read (reading the update itself held every one: 1.35x the step of a 27M
-LM on XLA:CPU); a compiler contracting the two computations differently
-(a GPU's fused multiply-add) can move it by its last place, which
-changes a count only that close to half the parameter's spacing.
-``every=1`` reads every entry on every step, from the update itself. A
+rows a step reads of it. The step's slice is taken of each update and
+of its new parameter (`Stagnation.read_updates`); XLA may then hold the
+updates it reads in memory, where the step without the hook fuses each
+into its parameter's update (``docs/performance.md`` has the cost).
+``every=1`` reads every entry on every step. A
 skipped step reads nothing and does not advance the cycle.
 `warn_if_stagnant` turns the fraction into a warning on the host, where
 you log metrics.
@@ -66,7 +64,7 @@ from jls._finite import counts
 from jls._shards import global_rows
 from jls._tree import find_all, plain
 from jls._validate import integer
-from jls.hooks._blocks import _cut, _read
+from jls.hooks._blocks import cut_axis, read_block
 from jls.hooks._hooks import Hook, LossScalingState, StepInfo
 
 
@@ -102,6 +100,23 @@ def _entry_counts(new: Any, u: Any, valid: Any) -> tuple[jax.Array, jax.Array]:
     return counted[0].astype(jnp.float32), counted[1].astype(jnp.float32)
 
 
+def _blocks(
+    p: jax.Array, u: jax.Array, phase: jax.Array, every: int
+) -> tuple[jax.Array, jax.Array, Any]:
+    """``(p, u, valid)``: the entries of a leaf read at ``phase``.
+
+    This phase's blocks along the cut axis (`cut_axis`, `read_block`); a leaf with
+    no such axis (a small one) is read whole, the entries of its last axis
+    taking the phases in turn under the mask ``valid`` (`read_phases`).
+    """
+    cut = cut_axis(tuple(p.shape), every)
+    if cut is not None:
+        return read_block(p, phase, every, cut), read_block(u, phase, every, cut), True
+    p, u = jnp.reshape(p, p.shape or (1,)), jnp.reshape(u, u.shape or (1,))
+    last = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1)
+    return p, u, last % every == phase
+
+
 def _agreed(rows: list[jax.Array], named: tuple[str, ...]) -> tuple[Any, Any]:
     """``(stuck, moving)`` over every replica and shard, as float32 scalars.
 
@@ -127,10 +142,9 @@ class Stagnation(Hook):
     Pass it as ``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation()])``;
     read it with ``jls.metrics(opt_state)["stagnant_fraction"]``, or warn
     with `jls.hooks.warn_if_stagnant`. ``tx.update`` must be given the
-    parameters. The default holds no memory the step without it does not
-    (0.98-1.03x the fused step on XLA:CPU, the read 0.4-0.7% of it;
-    docs/howto/low_precision_params.md);
-    ``every=1`` reads each update whole: 1.32x on a 27M LM, undonated.
+    parameters. The read is one reduction a leaf, beside the update; where
+    XLA holds an update for it rather than make it again, that update costs
+    memory (docs/howto/low_precision_params.md has the measurements).
 
     Attributes:
       every: the cycle, in applied steps (an int >= 1; default 16): each
@@ -170,36 +184,27 @@ class Stagnation(Hook):
         del state
         return True
 
-    def update_view(self, state: Any, shape: tuple[int, ...]) -> Any:
-        """This phase's blocks, cut axis first; an uncut leaf behind an axis of 1."""
-        if self.every == 1:
-            return None
-        phase = state.phase % self.every  # a state from another cycle length
-        cut = _cut(shape, self.every)
-        if cut is None:
-            return lambda x: jnp.reshape(x, (1, *(x.shape or (1,))))
-        return lambda x: _read(x, phase, self.every, cut)
-
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """Per leaf, ``[stuck, moving]``: this device's counts of the entries read.
 
         A list of float32 vectors, one per floating leaf (kept apart: a
         sharded leaf's counts add over its shards, a replicated leaf's do
-        not, `update`); with ``every > 1``, of each leaf's `update_view`.
+        not, `update`); with ``every > 1``, of this phase's blocks of each
+        leaf (`_blocks`).
         """
         leaves, treedef = jax.tree.flatten(new_params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
-        phase = state.phase % self.every
+        phase = state.phase % self.every  # a state from another cycle length
         rows = []
         for p, u in zip(leaves, ups, strict=True):
             dtype = getattr(p, "dtype", None)
             if u is None or dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
                 continue
+            p, u = jnp.asarray(p), jnp.asarray(u)
             valid: Any = True
-            if self.every > 1 and jnp.shape(p)[0] == 1:
-                last = lax.broadcasted_iota(jnp.int32, jnp.shape(p), jnp.ndim(p) - 1)
-                valid = last % self.every == phase
-            rows.append(jnp.stack(_entry_counts(jnp.asarray(p), jnp.asarray(u), valid)))
+            if self.every > 1:
+                p, u, valid = _blocks(p, u, phase, self.every)
+            rows.append(jnp.stack(_entry_counts(p, u, valid)))
         return rows
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> StagnationState:
