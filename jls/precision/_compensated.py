@@ -1,30 +1,12 @@
 """Low-precision parameters without a float32 copy: Kahan and stochastic rounding.
 
-Training with bfloat16 (or float16) parameters and no float32 master copy
-loses small updates: ``p + u`` rounds back to ``p`` once ``|u|`` is below
-half of ``p``'s last place. Two optax-native remedies, each wrapping an
-optimizer (inside or outside `jls.loss_scaling`):
-
-* `compensated`: Kahan summation. The part of each update the parameter
-  could not hold is kept in a buffer (optimizer state: an integer count of
-  a fraction of the parameter's last place, int16 by default) and added to
-  the next update.
-* `stochastic_rounding`: the updated parameter is rounded up or down at
-  random, with the probabilities that make the rounding unbiased.
-
-Both return updates that `optax.apply_updates` (and the fused
-`jls.apply_gradients`) land exactly on the rounded parameter: the update is
-``new - p`` in float32 (the tests check the landing over dtypes and
-exponent gaps). Kahan's lost part is at most half of the new parameter's
-spacing, so it is stored relative to that spacing, to 16 bits (int16) or 8
-(int8): a bfloat16 parameter with an int16 buffer holds its sum to 24
-bits, as finely as a float32 copy would at every step size, for the 2
-bytes a bfloat16 buffer would cost. (A buffer in the parameter's dtype
-cannot add a step below its own last place to itself: in bfloat16 it
-loses every step below about ``|p| * 2**-17``.) The
-lost part is computed in float32: exact while ``p`` and ``new`` are within
-about 13 binary orders of each other (float32's 24 bits against float16's
-11). The work is elementwise and XLA fuses it into the optimizer's update.
+In bfloat16 or float16 with no float32 master copy, ``p + u`` rounds back to
+``p`` once ``|u|`` is below half of ``p``'s last place. `compensated` keeps
+what the rounding lost and adds it to the next update (Kahan summation);
+`stochastic_rounding` rounds the new parameter up or down at random,
+unbiased. Both wrap any optimizer (inside or outside `jls.loss_scaling`) and
+return the update ``new - p`` in float32, which `optax.apply_updates` lands
+exactly on ``new``. ``docs/howto/low_precision_params.md`` compares them.
 """
 
 from __future__ import annotations
@@ -45,9 +27,8 @@ class CompensatedState(NamedTuple):
 
     Attributes:
       inner_state: the wrapped optimizer's state.
-      compensation: per parameter, the part of the updates it could not
-        hold yet: an int16 (or int8) count of ``2**-16`` (``2**-8``) of the
-        parameter's spacing (``None`` for non-floating leaves).
+      compensation: per parameter, what it could not hold yet, in counts of
+        ``2**-16`` (int16) or ``2**-8`` (int8) of its last place.
     """
 
     inner_state: Any
@@ -104,11 +85,7 @@ def _buffer_dtype(value: Any) -> np.dtype:
 
 
 def _unit_exponent(new: jax.Array, dtype: Any, wide: Any) -> jax.Array:
-    """``e`` with ``2**e`` the spacing of ``dtype`` just above ``|new|`` (int32).
-
-    Clamped to the compute dtype's smallest normal exponent, so that
-    ``2**-e`` and ``2**e`` are normal there (XLA:CPU flushes subnormals).
-    """
+    """``e``: ``2**e`` is ``dtype``'s spacing above ``|new|``, normal in ``wide``."""
     info = jnp.finfo(dtype)
     _, exponent = jnp.frexp(jnp.abs(new))  # |new| in [2**(x-1), 2**x)
     top = jnp.where(new == 0, info.minexp, jnp.maximum(exponent - 1, info.minexp))
@@ -133,20 +110,11 @@ def _units(lost: Any, new: Any, dtype: Any, wide: Any, bits: int) -> Any:
 def _kahan(p: Any, u: Any, k: Any, buffer: Any) -> tuple[Any, Any]:
     """``(update, buffer)`` of one leaf: Kahan's sum in at least float32.
 
-    Finite sums saturate at the dtype's largest value, as plain rounding
-    does, so the buffer can never carry a finite run to inf and then nan.
-    The buffer holds the lost part in units of ``2**-bits`` of the new
-    parameter's spacing, rounded to nearest. The lost part is at most half
-    of that spacing, which the buffer's largest count falls one unit short
-    of: when a parameter that stayed has a lost part that rounds past it,
-    the parameter moves one place toward it instead and the buffer keeps
-    the rest (of the other sign), so steps too small to pass the half one
-    at a time still carry it over (at most a unit is lost there).
-
-    ``k`` may arrive in another dtype than ``buffer``: a checkpoint's buffer
-    in the parameter's own dtype (the lost part itself), or a count of the
-    other width; its value is carried over and the returned buffer is
-    ``buffer``'s.
+    Finite sums saturate at the dtype's largest value, so the buffer never
+    carries a finite run to inf. A lost part past the buffer's largest count
+    (half a place) moves a parameter that stayed one place toward it. ``k``
+    may be a count of the other width or the lost part itself (an older
+    checkpoint's float buffer); the returned buffer is ``buffer``'s dtype.
     """
     if not _floating(p) or u is None:
         return u, k
@@ -181,29 +149,19 @@ def compensated(
 ) -> optax.GradientTransformationExtraArgs:
     """Kahan-compensated parameter updates around ``inner``.
 
-    Each parameter keeps a compensation buffer: the part of the updates that
-    ``p + u`` rounded away. The next update adds it back, so small updates
-    accumulate instead of vanishing. The lost part is at most half of the
-    new parameter's spacing (its last place), so the buffer stores it as an
-    integer count of ``2**-bits`` of that spacing: an int16 buffer (2 bytes
-    per parameter, what a bfloat16 or float16 buffer costs) holds it to 16
-    more bits, a bfloat16 parameter and its buffer together to float32's 24
-    bits, at every step size (a buffer in the parameter's own dtype loses
-    every update below about ``|p| * 2**-17`` in bfloat16: it cannot add
-    them to itself). ``buffer_dtype="int8"`` costs 1 byte per parameter and
-    holds 8 more bits. The returned
-    update is ``new - p`` in float32 (the compute dtype, at least float32),
-    where ``new`` is ``p + u + compensation`` rounded to the parameter's
-    dtype: `optax.apply_updates` lands exactly on ``new`` for float16 and
-    bfloat16 parameters. Inside `jls.loss_scaling` a skipped step leaves the
-    buffer bitwise unchanged, like every other state.
+    Each parameter keeps what ``p + u`` rounded away, and the next update
+    adds it back, so small updates accumulate instead of vanishing. The lost
+    part is at most half of the new parameter's last place, so it is stored
+    as an integer count of a fraction of that place: with int16, a bfloat16
+    parameter and its buffer hold float32's 24 bits at every step size, for
+    2 bytes. The update is ``new - p`` in float32, ``new`` being
+    ``p + u + compensation`` rounded to the parameter's dtype.
 
     Args:
-      inner: the optimizer whose updates are compensated (any optax
-        transformation; extra arguments are forwarded).
-      buffer_dtype: ``"int16"`` (default) or ``"int8"``: the buffer's
-        dtype, and so its memory (2 or 1 bytes per parameter) and precision
-        (16 or 8 bits below the parameter's last place).
+      inner: the optimizer whose updates are compensated (extra arguments
+        are forwarded).
+      buffer_dtype: ``"int16"`` (default; 2 bytes, 16 bits below the
+        parameter's last place) or ``"int8"`` (1 byte, 8 bits).
 
     Returns:
       An optax transformation; its state is a ``CompensatedState``
@@ -256,12 +214,9 @@ def compensated(
 def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """``x`` (float32) rounded to ``dtype``, up or down at random, unbiased.
 
-    A value ``dtype`` holds stays as it is; otherwise it becomes one of its
-    two neighbours ``lo < x < hi`` in ``dtype``, ``hi`` with probability
-    ``(x - lo) / (hi - lo)``. Past ``dtype``'s largest finite value (either
-    sign) it saturates there; inf and nan pass through. For float16,
-    bfloat16 and wider dtypes (fp8 formats without inf are refused by
-    `stochastic_rounding`).
+    ``x`` between ``lo`` and ``hi`` becomes ``hi`` with probability
+    ``(x - lo) / (hi - lo)``; finite values saturate at ``dtype``'s largest,
+    inf and nan pass through.
     """
     near = x.astype(dtype)
     lo = jnp.where(near.astype(x.dtype) > x, jnp.nextafter(near, -jnp.inf), near)
@@ -275,26 +230,30 @@ def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(x), out, near)
 
 
+def _rounded(p: Any, u: Any, key: jax.Array, i: int) -> Any:
+    """One leaf's stochastically rounded update (leaf ``i`` folds in ``i``)."""
+    if not _floating(p) or u is None:
+        return u
+    p = _checked("stochastic_rounding", p)
+    if np.dtype(p.dtype).itemsize >= 4:
+        return u
+    wide = compute_dtype(p.dtype)
+    x = p.astype(wide) + jnp.asarray(u).astype(wide)
+    new = round_stochastically(x, p.dtype, jax.random.fold_in(key, i))
+    return new.astype(wide) - p.astype(wide)
+
+
 def stochastic_rounding(
     inner: optax.GradientTransformation, *, seed: int = 0
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastically rounded parameter updates around ``inner``.
 
     ``p + u`` is computed in float32 and rounded to the parameter's dtype up
-    or down at random (unbiased: ``hi`` with probability
-    ``(x - lo) / (hi - lo)``), so small updates move the
-    parameter in expectation instead of vanishing. The returned update is
-    ``new - p`` in float32, which `optax.apply_updates` lands on exactly.
-    float32 and wider parameters are updated as ``inner`` says.
-
-    The randomness is reproducible: each step's key is
-    ``jax.random.fold_in(jax.random.key(seed), count)`` (``count`` the
-    updates made, in the state), or the key passed as ``key=`` to
-    ``update`` (forwarded by `jls.loss_scaling` and `jls.apply_gradients`);
-    each leaf folds in its index. Replicas with the same state, gradients
-    and key round identically. Inside `jls.loss_scaling` a skipped step
-    leaves the count unchanged, so the next step draws the key the skipped
-    one would have.
+    or down at random, unbiased, so small updates move the parameter in
+    expectation instead of vanishing; the update is ``new - p`` in float32.
+    float32 and wider parameters take ``inner``'s update as it is. Each
+    step's key is ``fold_in(key(seed), count)``, or the ``key=`` passed to
+    ``update``; each leaf folds in its index, so replicas round alike.
 
     Args:
       inner: the optimizer whose updated parameters are rounded.
@@ -334,19 +293,10 @@ def stochastic_rounding(
             key = jax.random.fold_in(jax.random.key(seed), state.count)
         leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
-        out = []
-        for i, (p, u) in enumerate(zip(leaves, ups, strict=True)):
-            if not _floating(p) or u is None:
-                out.append(u)
-                continue
-            p = _checked("stochastic_rounding", p)
-            if np.dtype(p.dtype).itemsize >= 4:
-                out.append(u)
-                continue
-            wide = compute_dtype(p.dtype)
-            x = p.astype(wide) + jnp.asarray(u).astype(wide)
-            new = round_stochastically(x, p.dtype, jax.random.fold_in(key, i))
-            out.append(new.astype(wide) - p.astype(wide))
+        out = [
+            _rounded(p, u, key, i)
+            for i, (p, u) in enumerate(zip(leaves, ups, strict=True))
+        ]
         count = jnp.asarray(optax.safe_increment(state.count))
         return jax.tree.unflatten(treedef, out), StochasticRoundingState(
             inner_state, count
