@@ -1,13 +1,9 @@
 """Precision: what computes in which dtype, and parameters without a float32 copy.
 
-Loss scaling keeps float16 gradients in range; these decide what runs in
-float16 at all. `autocast` (and `Policy.wrap`, a jmp-compatible policy)
-runs the matmuls in half precision and the ops that need range in float32;
-`precision_report` shows which dtype every matmul, range-sensitive op and
-collective of a function really computes in; `compensated` and
-`stochastic_rounding` keep low-precision parameters moving without a
-float32 master copy, and `scaled_state` keeps an optimizer's state in
-float16 without underflow.
+`autocast` (and `Policy.wrap`) runs matmuls in half precision and the ops
+that need range in float32; `precision_report` shows what really computes
+in which dtype; `compensated`, `stochastic_rounding` and `scaled_state`
+train without a float32 copy of the parameters or the optimizer state.
 
 Example:
   >>> import jax.numpy as jnp, jls

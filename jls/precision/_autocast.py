@@ -1,25 +1,12 @@
 """`autocast`: matmuls in half precision, the ops that need range in float32.
 
-Casting a function's arguments (``jmp``'s way, `jls.precision.Policy.cast_arguments`)
-runs every op inside in the compute dtype: the matmuls, where float16 pays,
-but also the log-softmax, the exponentials and the mean of the loss, where
-float16's 11 bits and its range of 65504 lose the result. `autocast` casts
-per op instead, as torch's ``autocast`` does: it traces the function once
-(``jax.make_jaxpr``, in the dtypes it is called with) and runs the traced
-program again with matmuls and convolutions in the compute dtype, softmax,
-``exp``/``log``, sums and means, norms and the loss in float32, and every
-other op in the dtype its operands bring (`jls.precision._cast_eval` has the rules).
-Nested ``jit``, ``scan``, ``while``, ``cond`` and ``checkpoint`` programs
-follow the same rules; ``custom_jvp``/``custom_vjp`` functions run as
-written. The result has the structure and dtypes ``fn`` returns, and
-``jax.grad`` of it runs the backward matmuls in the compute dtype too.
-
-Arguments are whole pytrees: parameters, a batch, an equinox Module (its
-arrays are traced, its other leaves passed as they are), flax linen's
-variables with ``mutable`` collections. A flax nnx Module, a mutable
-object, is split into its state (``nnx.split``), run on a merged copy, and
-its state after the call (BatchNorm statistics, RNG counts) written back
-into the caller's Module (``nnx.update``), as calling ``fn`` would.
+Casting the arguments (jmp's way) runs the loss's log-softmax, exponentials
+and mean in float16 too, where its 11 bits and range of 65504 lose the
+result. `autocast` casts per op instead, as torch's ``autocast`` does: it
+traces the function once and runs the program again by
+`jls.precision._cast_eval`'s rules, nested programs included. A flax nnx
+Module argument is run on a merged copy of its state, and the state after
+the call written back (``nnx.update``), as calling ``fn`` would.
 """
 
 from __future__ import annotations
@@ -59,24 +46,18 @@ def is_nnx_module(x: Any) -> bool:
 def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., Any]:
     """``fn`` with its matmuls in ``dtype`` and its range-sensitive ops in float32.
 
-    Inside, ``dot_general`` (``@``, ``einsum``, dense layers), convolutions
-    and ragged dots compute in ``dtype``; softmax, log-softmax, logsumexp,
-    ``exp``/``log``/``log1p``/``sigmoid``, powers and squares, ``rsqrt``,
-    sums, means, products and cumulative sums (so cross-entropy, mean
-    squared error and normalisation statistics) compute in float32; every
-    other op computes in the dtype of its operands, so a float32 chain stays
-    float32 until the next matmul casts down. The parameters stay as they are
-    (float32 master weights: their gradients come back in float32). The
-    function is traced once per call, when its caller is traced: under
-    ``jit`` a step compiles once.
+    Matmuls and convolutions compute in ``dtype``; softmax, ``exp``/``log``,
+    powers, sums and means (so cross-entropy and normalisation statistics)
+    in float32; every other op in its operands' dtype. The arguments are not
+    cast, so float32 parameters get float32 gradients. ``fn`` is traced when
+    its caller is: under ``jit`` a step compiles once.
 
     Args:
       fn: the function: a loss, a forward pass, a flax ``apply``.
       dtype: the compute dtype of the matmuls (float16, bfloat16).
 
     Returns:
-      A function with ``fn``'s signature, returning what ``fn`` returns, in
-      the dtypes ``fn`` returns it in.
+      A function with ``fn``'s signature and result dtypes.
 
     Raises:
       TypeError: if ``fn`` is not callable or ``dtype`` is not floating.

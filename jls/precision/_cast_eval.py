@@ -1,33 +1,18 @@
 """The interpreter behind `jls.precision.autocast`: a traced program run again.
 
-`evaluate` runs a closed jaxpr (the function traced once, in the dtypes it
-was called with) on the same arguments, binding each primitive again with
-its operands cast by three rules:
+`evaluate` binds each primitive of a closed jaxpr again, its operands cast:
 
-- a matmul (`jls.precision._primitives.CAST`: ``dot_general``, convolutions,
-  ``ragged_dot_general``) gets its floating operands in the compute dtype,
-  and its output follows (a ``preferred_element_type`` that only restated
-  the operands' dtype is dropped; one that asked for more is kept);
-- an op that needs range or precision (`jls.precision._primitives.FLOAT32`: ``exp``,
-  ``log``, sums, squares...) gets its floating operands in float32 at least;
-- every other op takes its operands as they come, and where the program
-  traced them in one dtype and they now differ (a float16 matmul output
-  plus a float32 bias) they are promoted to the widest, as jax promotes
-  (a weakly typed value, and a scalar the program inlined, ``h * 2.0``,
-  takes the other operands' dtype). A float32 chain so stays float32 until
-  the next matmul casts down.
+- a matmul (`jls.precision._primitives.CAST`) gets its floating operands in
+  the compute dtype, and its output follows;
+- an op that needs range (`jls.precision._primitives.FLOAT32`: ``exp``,
+  ``log``, sums...) gets them in float32 at least;
+- any other op takes them as they come, promoted to the widest where they
+  now differ (weak values and inlined scalars take the others' dtype).
 
-Nested programs are run by the same rules through the public API that made
-them: ``jit`` inline, ``scan``, ``while_loop``, ``cond``/``switch``,
-``checkpoint`` (its policy kept), so a float16 matmul inside a scanned,
-rematerialised layer is float16 too, and ``jax.grad`` of the result
-differentiates float16 matmuls into float16 matmuls. A loop's carry and a
-branch's outputs keep the dtypes they were traced in (the loop then has one
-type). An op that holds a program or a rule of its own (``custom_jvp``,
-``custom_vjp``: ``jax.nn.relu``, a fused kernel; ``shard_map``; a callback)
-runs as traced, on its operands cast back to the traced dtypes, so its
-custom derivative is the one it was written with. So does an op that
-refuses the changed dtypes.
+Nested ``jit``, ``scan``, ``while_loop``, ``cond`` and ``checkpoint``
+programs run by the same rules, a loop's carry in its traced dtypes.
+``custom_jvp``/``custom_vjp``, ``shard_map``, callbacks and any op that
+refuses the new dtypes run as traced, on operands cast back.
 """
 
 from __future__ import annotations

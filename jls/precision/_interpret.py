@@ -1,14 +1,8 @@
 """The one place jls reads and re-runs jaxprs: what `autocast` and the report share.
 
-`jls.precision.autocast` traces a function and runs its program again with
-other dtypes; `jls.precision.precision_report` traces it and walks the
-program. Both trace through `trace`, take the same leaves as arrays
-(`is_array`), and every equation run again is bound by `bind`. Reading a
-program needs ``jax.extend`` (its ``Literal``, ``Jaxpr`` and source
-information); jls imports ``jax.extend`` here only, and ``jls.precision``
-imports this module only when `autocast`, `Policy` or `precision_report`
-is first reached, so a change to ``jax.extend`` breaks those features and
-not the loss scaling.
+Reading a program needs ``jax.extend``, imported here only; ``jls.precision``
+imports this module when `autocast`, `Policy` or `precision_report` is first
+reached, so a change to ``jax.extend`` breaks those and not loss scaling.
 """
 
 from __future__ import annotations
@@ -30,15 +24,9 @@ def is_array(x: Any) -> bool:
 
 
 class Traced(NamedTuple):
-    """A function traced once on its arguments' arrays.
+    """A function traced once: its program, the arguments' arrays, ``rebuild``.
 
-    Attributes:
-      closed: the program (a ``ClosedJaxpr``), taking ``arrays``, returning
-        the arrays of the result.
-      arrays: the arguments' arrays, as jax reads them (a float64 numpy
-        array is float32 without x64).
-      rebuild: the result's structure: ``rebuild(outs)`` puts the program's
-        outputs ``outs`` back among the result's other leaves.
+    ``rebuild(outs)`` puts the program's outputs among the result's other leaves.
     """
 
     closed: Any
@@ -47,13 +35,7 @@ class Traced(NamedTuple):
 
 
 def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Traced:
-    """``fn(*args, **kwargs)`` traced: its array leaves traced, the rest static.
-
-    Args and results are whole pytrees (a model, a flax variables dict);
-    a leaf that is no array (a function, a number, a Module's static
-    field) is passed into ``fn`` as it is, and a result leaf that is no
-    ``jax.Array`` comes back in ``rebuild`` as ``fn`` returned it.
-    """
+    """``fn(*args, **kwargs)`` traced: its array leaves traced, the rest static."""
     leaves, treedef = jax.tree.flatten((args, kwargs))
     traced = [is_array(x) for x in leaves]
     returned: list[Any] = []
@@ -110,14 +92,12 @@ def located(eqn: Any) -> Iterator[None]:
 
 
 def bind(eqn: Any, invals: Any, params: dict | None = None) -> list:
-    """One equation of a jaxpr bound again on ``invals``: its outputs, a list.
+    """One equation bound again on ``invals`` (with ``params``, else its own).
 
-    As jax's own evaluation binds an equation: ``get_bind_params`` turns a
-    program parameter into the function ``bind`` takes (jax 0.8 returns it
-    apart, 0.9 on inside the parameters). ``params``: the equation's own if
-    not given.
+    As jax's own evaluation does, through ``get_bind_params``.
     """
     bound = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    # jax 0.8 returns (subfuns, params); later jax, the params alone.
     subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *invals, **bound)

@@ -1,29 +1,11 @@
 """A mixed-precision casting policy, compatible with jmp's.
 
-`get_policy` parses the same strings as ``jmp.get_policy``
-(``"params=float32,compute=float16,output=float32"``, ``"p=f32,c=f16"``,
-``"half"``) into a `Policy` with the same fields and methods, so a jmp user
-moves both halves of their setup (the policy and ``jmp.DynamicLossScale``,
-see `jls.presets.jmp`) to jls. Casting touches floating arrays only: integer
-and bool arrays, Python numbers, functions and any other leaf pass through
-as the same object, so an equinox ``Module`` (an immutable pytree) is cast
-as it is.
-
-`Policy.wrap` casts per op (`jls.precision.autocast`): matmuls in the compute dtype,
-softmax, ``exp``/``log``, sums and the loss in float32, the results in the
-output dtype. `Policy.cast_arguments` is jmp's wrapper, which casts the
-arguments only, so every op inside runs in the compute dtype, the loss's
-log-softmax and mean included: on a float16 MLP trained to a small loss,
-the loss it reports is off by most of its value.
-
-The ``cast_to_*`` methods refuse a flax nnx Module: casting it builds a copy,
-and its forward pass would then update the copy's BatchNorm statistics,
-Dropout RNG counts and other variables while the caller's Module kept stale
-ones, with a loss that looks normal. `Policy.wrap` takes one (it runs the
-function on the Module's state and writes the new state back); nnx layers
-also compute in float16 through their own ``dtype=jnp.float16,
-param_dtype=jnp.float32``. `jls.precision.precision_report` shows which dtype each
-matmul really runs in.
+`get_policy` parses ``jmp.get_policy``'s strings into a `Policy` with jmp's
+fields and methods, so a jmp user moves the policy to jls with the loss
+scale (`jls.presets.jmp`). Casting touches floating arrays only; every other
+leaf passes through as the same object. `Policy.wrap` casts per op
+(`jls.precision.autocast`); `Policy.cast_arguments` is jmp's argument
+casting. ``docs/howto/policy.md`` explains where the loss is computed.
 """
 
 from __future__ import annotations
@@ -152,13 +134,9 @@ class Policy:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` autocast to ``compute_dtype``, its results in ``output_dtype``.
 
-        Inside, matmuls and convolutions compute in ``compute_dtype``; softmax,
-        ``exp``/``log``, sums, means and norms (so the loss) in float32;
-        everything else in the dtype its operands bring (`jls.precision.autocast`).
-        The arguments are not cast: the parameters stay in ``param_dtype``,
-        so their gradients do too. Wrap the loss (the README's pattern): it
-        then comes back float32-accurate with float16 matmuls. For jmp's
-        argument casting, use `cast_arguments`.
+        Matmuls compute in ``compute_dtype``, softmax, ``exp``/``log`` and sums
+        (so the loss) in float32 (`jls.precision.autocast`). The arguments are
+        not cast, so the gradients stay in ``param_dtype``. Wrap the loss.
 
         Example:
           >>> import jax, jax.numpy as jnp, jls
@@ -180,10 +158,9 @@ class Policy:
     def cast_arguments(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with its arguments cast to compute and its results to output.
 
-        jmp's way: every op inside ``fn`` runs in ``compute_dtype``, the
-        loss's log-softmax, exponentials and mean included, and arrays
-        ``fn`` makes itself or closes over keep their own dtype. Wrap a
-        forward pass with it, not a loss; `wrap` casts per op.
+        jmp's way: every op inside runs in ``compute_dtype``, a loss's
+        softmax included; arrays ``fn`` makes or closes over keep their
+        dtype. Wrap a forward pass with it, not a loss.
 
         Example:
           >>> import jax.numpy as jnp, jls
@@ -211,13 +188,10 @@ class Policy:
 def get_policy(policy: str) -> Policy:
     """A `Policy` parsed from a string, as ``jmp.get_policy`` parses it.
 
-    ``"c=f16"``: parameters in float32, compute and output in float16.
-    ``"p=f32,c=f16,o=f32"`` (or ``params=``, ``compute=``, ``output=``): each
-    given; parameters default to float32, compute follows the parameters and
-    output follows compute. A bare dtype (``"float16"``, ``"half"``) sets all
-    three. Dtype names: ``full``/``f32``/``float32``, ``f16``/``float16``,
-    ``bf16``/``bfloat16``, ``f64``/``float64`` and ``half`` (bfloat16 on TPU,
-    else float16).
+    ``"p=f32,c=f16,o=f32"`` (or ``params=``, ``compute=``, ``output=``):
+    parameters default to float32, compute follows them and output follows
+    compute; a bare dtype sets all three. ``half`` is bfloat16 on TPU, else
+    float16.
 
     Raises:
       ValueError: for an unknown key or dtype name (the message names it).

@@ -1,22 +1,11 @@
 """`precision_report`: which dtype each matmul of a function really runs in.
 
-A casting policy casts arguments only. Arrays a model makes itself (a
-float32 ``jnp.zeros`` carry, an LSTM carry in ``param_dtype``, a float32
-``one_hot``) and a model closed over instead of passed in silently promote
-the computation back to float32, and the loss looks normal. The report
-traces the function (nothing is executed: ``jax.make_jaxpr``), walks every
-nested program (``jit``, ``scan``, ``while``, ``cond``, ``remat``,
-``custom_jvp``/``custom_vjp``; ``vmap`` is already applied in the trace),
-and counts the matmul-like operations (every dot and convolution primitive
-jax has: ``dot_general``, ``conv_general_dilated``, ``ragged_dot_general``,
-the fused and scaled ones; `jls.precision._primitives.MATMULS`) by the dtype they
-compute in, with the source line of each. Beside them it counts the ops
-that need range or precision (softmax, ``exp``, ``log``, sums: the list
-`jls.precision.autocast` keeps in float32) by dtype, so a report shows the float32
-ones next to the float16 matmuls, and it lists the collectives
-(``psum``, ``all_gather``, ...) with the dtype each sends. Arguments may be
-whole models: an equinox or flax ``nnx`` Module (its arrays are traced,
-everything else is closed over).
+A casting policy casts arguments only: arrays a model makes itself (a
+float32 carry, a ``one_hot``) or a model closed over silently promote the
+computation back to float32, and the loss looks normal. The report traces
+the function through every nested program and counts its matmuls
+(`jls.precision._primitives.MATMULS`), its range-sensitive ops and its
+collectives by dtype, with the source line of each.
 """
 
 from __future__ import annotations
@@ -45,12 +34,10 @@ class Op(NamedTuple):
     """One operation of the traced program.
 
     Attributes:
-      kind: the primitive (``dot_general``, ``conv_general_dilated``,
-        ``psum``), or ``softmax`` for a softmax found by its pattern.
-      dtype: the dtype it computes in: its operands' common dtype (for a
-        matmul of a float16 and a float32 operand, float32).
-      where: ``file:line`` of the innermost frame outside jax and the model
-        libraries (the user's layer), or ``"?"``.
+      kind: the primitive (``dot_general``, ``psum``), or ``softmax``.
+      dtype: the dtype it computes in: its operands' common dtype.
+      where: ``file:line`` of the user's layer (the innermost frame outside
+        jax and the model libraries), or ``"?"``.
     """
 
     kind: str
@@ -65,17 +52,13 @@ class PrecisionReport:
     Attributes:
       counts: dtype name -> how many matmuls and convolutions compute in it.
       ops: every matmul and convolution, in program order.
-      info: the ops that need range or precision (sums, ``exp``/``log``,
-        ``logistic``, squares, softmaxes) found in float16 or bfloat16, with
-        their lines: information, not errors.
-      numerics: op -> dtype name -> count, for the ops that need range or
-        precision (``softmax``, ``exp``, ``log``, ``reduce_sum``,
-        ``square``...: the ones `jls.precision.autocast` computes in float32), in every
-        dtype: where the loss and its softmax really ran.
-      collectives: every ``psum``, ``all_gather``, ``psum_scatter``
-        (``reduce_scatter``), ``all_to_all``, ``ppermute``... of the program
-        (``shard_map``, ``pmap``), one per dtype it sends: float16 gradients
-        all-reduced in float16 show here.
+      info: the range-sensitive ops found in float16 or bfloat16, with
+        their lines (information, not errors).
+      numerics: op -> dtype name -> count, for the range-sensitive ops
+        (``softmax``, ``exp``, ``log``, ``reduce_sum``...: those
+        `jls.precision.autocast` computes in float32).
+      collectives: every collective of the program (``psum``,
+        ``all_gather``...), one per dtype it sends.
     """
 
     counts: dict[str, int]
@@ -205,11 +188,7 @@ def _floating(var: Any) -> bool:
 
 
 def _live(jaxpr: Any) -> set[int]:
-    """The ids of the equations whose results are used.
-
-    An unused one, which differentiation leaves behind, never runs: XLA
-    removes it.
-    """
+    """The ids of the equations whose results are used (XLA drops the rest)."""
     used = {v for v in jaxpr.outvars if not is_literal(v)}
     alive: set[int] = set()
     for eqn in reversed(jaxpr.eqns):
@@ -263,27 +242,21 @@ def precision_report(
 ) -> PrecisionReport:
     """Which dtype each matmul and convolution of ``fn(*args, **kwargs)`` runs in.
 
-    Traces ``fn`` (nothing is executed) through every nested program and
-    through equinox and flax ``nnx`` Modules passed as arguments, and counts
-    its matmul-like operations (``dot_general``, convolutions,
-    ``ragged_dot_general``...) by the dtype they compute in; beside them the
-    ops that need range or precision (softmax, ``exp``, ``log``, sums) by
-    dtype, and the collectives with the dtype each sends. Pass the model as
-    an argument: under argument casting (`jls.precision.Policy.cast_arguments`) a model
-    closed over is traced as constants, and so is reported in whatever dtype
-    it holds.
+    Traces ``fn`` (nothing is executed), equinox and flax ``nnx`` Modules
+    among its arguments included, and counts its matmuls by the dtype they
+    compute in, its range-sensitive ops (softmax, ``exp``, ``log``, sums)
+    and its collectives by dtype. Pass the model as an argument: a model
+    closed over is traced as constants, in whatever dtype it holds.
 
     Args:
       fn: the function to trace: a forward pass, a loss, a whole train step.
-      *args: its arguments; arrays are traced, other leaves (functions,
-        numbers, a Module's static fields) are passed as they are.
+      *args: its arguments; arrays are traced, other leaves passed as they
+        are.
       **kwargs: its keyword arguments, likewise.
 
     Returns:
-      A `PrecisionReport`: ``.counts`` by dtype name, ``.numerics`` and
-      ``.collectives``, ``str(report)`` a short table with the ``file:line``
-      of every op not in the majority dtype, ``.check(dtype)`` raising
-      unless every matmul computes in ``dtype``.
+      A `PrecisionReport`; ``str(report)`` is a short table with the
+      ``file:line`` of every matmul not in the majority dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp, jls

@@ -1,13 +1,9 @@
 """Which jax primitives are matmuls, which need float32, which are collectives.
 
 `jls.precision.autocast` casts by these lists and
-`jls.precision.precision_report` counts by them, so what one does the
-other shows. They hold primitive names, not objects: a name absent from
-the installed jax (``scaled_dot`` before 0.9, the cuDNN attention
-primitives) costs nothing, and jls reads no private jax to find them.
-``tests/test_primitives.py`` enumerates the installed jax's own primitives
-and fails on any matmul-like or collective one not named
-here, so a new primitive in a later jax is classified before it is missed.
+`jls.precision.precision_report` counts by them. They hold names, so one
+absent from the installed jax costs nothing; ``tests/test_primitives.py``
+fails on any matmul-like or collective primitive of jax not named here.
 """
 
 from __future__ import annotations

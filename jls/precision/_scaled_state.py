@@ -1,23 +1,10 @@
 """An optimizer's state in float16 without underflow: per-tensor scaled storage.
 
 Adaptive optimizers fail in float16 for range, not precision: Adam's second
-moment ``(1 - 0.999) * g**2`` is 0 in float16 for every ``|g|`` below about
-0.0055, and optax's ``eps=1e-8`` is 0 there, so the first step divides by 0
-(optax #1754, #1769, #1784, #1789, #1790). `scaled_state` keeps every
-floating state array of the wrapped optimizer in float16 (or bfloat16), each
-with its own float32 power-of-two scale (one scalar per array, as optimi's
-PR #15 does), and runs the optimizer itself in float32: the state is decoded
-(``stored * scale``, exact), the gradients and parameters upcast, ``eps``
-and every division are float32, and the new state is encoded again, each
-array's largest magnitude placed in ``[2**14, 2**15)`` (float16; one to two
-binary orders under its largest value). A float16 array then holds values
-down to about 2**-28 of its largest at full precision (2**-38 with less),
-instead of down to 2**-24 absolute.
-
-The updates are float32, which `optax.apply_updates` rounds once into the
-parameters' dtype; `jls.precision.compensated` or
-`jls.precision.stochastic_rounding` around it keep what that rounding
-loses.
+moment ``(1 - 0.999) * g**2`` is 0 for every ``|g|`` below about 0.0055, and
+``eps=1e-8`` is 0 (optax #1754). `scaled_state` stores each floating state
+array in float16 (or bfloat16) with its own float32 power-of-two scale, as
+optimi's PR #15 does, and runs the optimizer itself in float32.
 """
 
 from __future__ import annotations
@@ -37,12 +24,10 @@ class ScaledState(NamedTuple):
     """`scaled_state`'s state.
 
     Attributes:
-      inner_state: the wrapped optimizer's state, each floating array of at
-        least one dimension stored in the narrow dtype, divided by its scale
-        (read it with `ScaledState.decoded`); floating scalars in at least
-        float32; other leaves as they are.
-      scales: one float32 power of two per stored array, in the order of
-        ``jax.tree.leaves(inner_state)``.
+      inner_state: the wrapped optimizer's state, each floating array
+        stored narrow, divided by its scale (`ScaledState.decoded` reads it);
+        floating scalars in at least float32.
+      scales: one float32 power of two per stored array, in leaf order.
     """
 
     inner_state: Any
@@ -117,32 +102,22 @@ def scaled_state(
 ) -> optax.GradientTransformationExtraArgs:
     """``inner`` with its state stored in ``dtype``, scaled per array, run in float32.
 
-    Every floating array of ``inner``'s state (Adam's moments, a momentum,
-    an accumulator) is kept in ``dtype`` with one float32 power-of-two scale,
-    and ``inner`` itself runs in float32 on the decoded state, the upcast
-    gradients and parameters: its ``eps`` (optax's default ``1e-8`` is 0 in
-    float16) and its divisions are float32. The state costs 2 bytes per
-    entry (and 4 per array for the scale) instead of 4, and a second moment
-    ``1e-3 * g**2``, 0 in float16 for every ``|g|`` below about 0.0055, is
-    held down to about 2**-28 of its array's largest entry (2**-38 with
-    less precision). Floating scalars (a hyperparameter, a per-array norm) stay
-    at least float32; integer leaves (step counts) are kept as they are.
-
-    Wrap the parameters' rounding around it, and no float32 copy is left
-    anywhere: ``stochastic_rounding(scaled_state(adam))``, both from
-    `jls.precision` (what ``docs/beyond_peers.md`` measures on float16
-    runs), or `jls.precision.compensated` around it; inside
-    `jls.loss_scaling` for float16 gradients.
+    Each floating array of ``inner``'s state is stored in ``dtype`` with one
+    float32 power-of-two scale that puts its largest entry a binary order
+    or two under the dtype's largest, so values down to about 2**-28 of that
+    entry keep full precision.
+    ``inner`` runs in float32 on the decoded state and upcast gradients and
+    parameters, so its ``eps`` and divisions are float32. Wrap
+    `jls.precision.stochastic_rounding` or `jls.precision.compensated`
+    around it and no float32 copy is left anywhere.
 
     Args:
       inner: any optax optimizer (extra arguments are forwarded).
-      dtype: the storage dtype, ``"float16"`` (default) or ``"bfloat16"``
-        (float32's range: the scale is then only a power of two).
+      dtype: the storage dtype, ``"float16"`` (default) or ``"bfloat16"``.
 
     Returns:
       An optax transformation; its state is a `ScaledState`, its updates
-      float32 (``optax.apply_updates`` rounds each into its parameter's
-      dtype once).
+      float32.
 
     Raises:
       ValueError: for a ``dtype`` other than float16 or bfloat16.
