@@ -1,19 +1,11 @@
 """The skip: each new leaf selected against its old one, bitwise.
 
-The step runs the inner optimizer's update unconditionally, then keeps
-each result (the parameters or the updates, every leaf of the inner
-state) with `select_tree`: the new leaf where the step applies, its old
-value where it does not. That is jmp's and flax's form (``lax.select``
-per leaf), on public jax only. A select picks bits, it does not mask with
-``0 * x`` (nan for an inf ``x``), so no nan reaches a state; a float
-narrower than float32 is selected as its bits, so a nan's payload is kept;
-a weakly typed old leaf stays weakly typed, so the step is traced once.
-The skipped updates of ``tx.update`` are ``-0.0`` (`zeros_like`:
-``p + (-0.0)`` is ``p`` bitwise), laid out as the updates are.
-
-``benchmarks/bench_skip_modes.py`` keeps the other forms measured against
-this one (a ``lax.cond``, a re-run of the update's program), and
-``docs/performance.md`` what each costs in each donation mode.
+The step runs the inner update unconditionally, then keeps each result with
+`select_tree`: one ``lax.select`` per leaf, jmp's and flax's form, never a
+``0 * x`` mask (nan for an inf ``x``). Floats narrower than float32 are
+selected as their bits, and weak types are kept, so the step traces once.
+Skipped updates are ``-0.0`` (`zeros_like`). ``docs/performance.md`` compares
+the other forms ``benchmarks/bench_skip_modes.py`` measures.
 """
 
 from __future__ import annotations
@@ -29,25 +21,17 @@ from jls._compat import varying_of
 
 
 def zero(dtype: Any) -> Any:
-    """The zero update of ``dtype``: ``-0.0`` for floats, 0 for others.
-
-    ``p + (-0.0)`` is ``p`` bitwise for every float ``p``, ``-0.0`` included
-    (``-0.0 + 0.0`` is ``+0.0``).
-    """
+    """The zero update of ``dtype``: ``-0.0`` (``p + -0.0`` is ``p``), or 0."""
     if jnp.issubdtype(dtype, jnp.complexfloating):
         return complex(-0.0, -0.0)  # both parts: -0.0 + 0.0 is +0.0
     return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
 
 
 def zeros_like(shapes: Any, *likes: Any) -> Any:
-    """Zero updates of ``shapes``, laid out as the updates are.
+    """Zero updates of ``shapes`` (the updates, or their types), laid out as they are.
 
-    ``shapes``: the updates themselves (then each zero is a ``full_like`` of
-    its update: the same sharding and varying axes), or their types; then
-    each zero is built from the first leaf of ``likes`` (trees of the same
-    structure: the gradients, the parameters) with the same shape, sharding
-    and varying axes, so it has the updates' layout under explicit sharding
-    and ``shard_map``. (``optax.tree.zeros_like`` makes ``+0.0``.)
+    From a type, each zero is built like the leaf of ``likes`` (the
+    gradients, the parameters) with its shape, sharding and varying axes.
     """
     leaves, treedef = jax.tree.flatten(shapes)
     candidates = [
@@ -76,18 +60,9 @@ def zeros_like(shapes: Any, *likes: Any) -> Any:
 def select_tree(apply: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``apply`` (a scalar bool), else ``old``: every leaf, bitwise.
 
-    The one skip of jls: the step's results, `jls.keep_if_skipped` and
-    ``jls.flax``'s kept fields all go through it. ``old`` has ``new``'s
-    structure; each leaf is `select`-ed (``new``'s dtype and sharding,
-    weakly typed where ``old`` is). ``None`` leaves stay ``None``, and a leaf
-    of ``new`` that is no array (a function) is returned as it is.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jls._cond import select_tree
-      >>> new = {"m": jnp.array([jnp.nan, 2.0])}
-      >>> select_tree(jnp.asarray(False), new, {"m": jnp.zeros(2)})["m"]
-      Array([0., 0.], dtype=float32)
+    The step, `jls.keep_if_skipped` and ``jls.flax`` all skip through it.
+    ``None`` leaves stay ``None``; a leaf of ``new`` that is no array (a
+    function) is returned as it is.
     """
     return jax.tree.map(
         lambda n, o: select(apply, n, o) if _is_array(n) else n, new, old
@@ -102,11 +77,9 @@ def _is_array(x: Any) -> bool:
 def select(apply: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``apply`` (a scalar), else ``old``, bitwise.
 
-    The result has ``new``'s dtype and sharding, weakly typed where ``old``
-    is weakly typed and of that dtype, so a weakly typed state keeps its
-    types and the step is traced once. Floats narrower than float32 are
-    selected as their bits: XLA:CPU computes them in float32, and a select
-    it widens that way would canonicalise a nan's payload.
+    ``new``'s dtype and sharding, weakly typed where ``old`` is. Narrow
+    floats are selected as bits: XLA:CPU would widen them to float32 and
+    canonicalise a nan's payload.
     """
     new = jnp.asarray(new)
     old = jnp.asarray(old)
@@ -131,11 +104,9 @@ def select(apply: jax.Array, new: Any, old: Any) -> Any:
 
 
 def _weakly_typed(x: jax.Array, weak: jax.Array) -> jax.Array:
-    """``x``, weakly typed as ``weak`` (of its dtype, shape and layout) is.
+    """``x``, weakly typed like ``weak``, by a ``lax.cond`` of constant predicate.
 
-    ``lax.cond`` joins a strong and a weakly typed branch into a weakly typed
-    result (public jax has no cast to a weak type); its predicate is a
-    constant, so XLA keeps ``x`` alone and no conditional runs.
+    Public jax has no cast to a weak type; XLA folds the cond away.
     """
     return lax.cond(True, lambda: x, lambda: weak)
 

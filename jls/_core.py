@@ -1,32 +1,14 @@
 """The step: a few pure functions over a frozen configuration.
 
-One loss-scaled step, inside ``jit``, for every entry point (``tx.update``,
-`jls.apply_gradients`, `jls.train_step`, ``jls.flax``):
-
-1. `validate`, `prepare`: the state is validated once (its type, its hooks,
-   its scale and counters), the composition checked (a loss scaled with
-   another optimizer's state, masked leaves, float16 without a scale), and
-   the loss taken out of the inner optimizer's arguments for the hooks that
-   read it.
-2. `jls._decision.decide`: one read of the scaled gradients decides whether
-   the unscaled ones are all finite (and measures their range and norm if
-   the rule or a hook needs them); every replica agrees.
-3. `finish`: the hooks' vetoes and gradient factors, then the update, run
-   whether the step applies or not: the gradients unscaled with one
-   multiplication a leaf (`unscaled_grads`, which XLA fuses into the
-   optimizer's update), the inner optimizer's update and, on the fused path,
-   the new parameters. Each result (the parameters or the updates, every
-   leaf of the inner state) is then kept or dropped by one select per leaf
-   (`jls._cond.select_tree`): a skipped step returns every leaf bitwise as it
-   was, and ``-0.0`` updates. A hook that reads the applied updates reads
-   them beside the update (`jls.hooks._hooks.read_hooks_updates`); then the
-   scale rule (`adjusted`) and each hook's record (`recorded`).
-
-`step` chains them: the documented internal entry point. `jls.train_step`
-calls them itself, `decide` once per attempt (its retries). With
-``jls.no_scale(skip_nonfinite=False)`` nothing is checked: the step is the
-inner optimizer's own (`jls._off`). Every function here uses public jax
-only (``jax.lax``, ``jax.numpy``, ``jax.tree``).
+One loss-scaled step for every entry point (``tx.update``,
+`jls.apply_gradients`, `jls.train_step`, ``jls.flax``): `validate` and
+`prepare` check the state and the composition and take out the loss the
+hooks read; `jls._decision.decide` reads the scaled gradients once to decide
+whether they are finite; `finish` runs the hooks' vetoes and the inner update
+unconditionally, then keeps or drops each result (parameters or updates,
+every leaf of the inner state) by one select per leaf
+(`jls._cond.select_tree`), and records the scale rule and the hooks. `step`
+chains them; `jls.train_step` calls them itself. Public jax only.
 """
 
 from __future__ import annotations
@@ -58,14 +40,7 @@ from jls.hooks._hooks import LossScalingState, StepInfo, read_hooks_updates
 
 
 class Prepared(NamedTuple):
-    """A step's validated inputs (`prepare`).
-
-    Attributes:
-      state: the transformation's state, validated (boxed leaves unwrapped).
-      loss: the loss the hooks read (float32, the replicas' mean), or ``None``.
-      extra_args: the inner optimizer's extra arguments, ``loss`` taken out
-        where a hook reads it.
-    """
+    """A step's validated inputs: its ``state``, the hooks' ``loss``, ``extra_args``."""
 
     state: LossScalingState
     loss: jax.Array | None
@@ -73,13 +48,7 @@ class Prepared(NamedTuple):
 
 
 class Split(NamedTuple):
-    """The parameters of a fused step, split once (`split`).
-
-    Attributes:
-      trained: the floating parameters whose gradient is not ``None``.
-      frozen: those whose gradient is ``None`` (not trained).
-      rest: every other leaf (functions, numbers, integer arrays).
-    """
+    """A fused step's parameters: ``trained``, ``frozen`` (no gradient), ``rest``."""
 
     trained: Any
     frozen: Any
@@ -97,8 +66,8 @@ def validate(config: Config, opt_state: Any, params: Any) -> LossScalingState:
     """The step's state, validated once (boxed ``nnx`` leaves unwrapped).
 
     Raises:
-      TypeError: at trace time, for a state this transformation did not
-        make, or ``params`` and ``opt_state`` swapped.
+      TypeError: for a state this transformation did not make, or
+        ``params`` and ``opt_state`` swapped.
     """
     _check_order(opt_state, params)
     return _validated(config, opt_state)
@@ -115,8 +84,7 @@ def prepare(
     """The composition checked and the loss taken, for a `validate`-d state.
 
     Raises:
-      TypeError: at trace time, for masked gradients, or a ``loss=`` a hook
-        needs and the step was not given.
+      TypeError: for masked gradients, or a ``loss=`` a hook needs missing.
     """
     check_not_masked(grads, "gradients")
     if config.scaler.is_identity:  # scale 1: any pairing is right
@@ -139,8 +107,7 @@ def step(
 ) -> tuple[Any, LossScalingState]:
     """``tx.update`` (``fused=False``: the updates) or the fused step (the params).
 
-    ``also_finite``: values checked with the gradients, neither unscaled nor
-    measured (flax's fp8 scales and amax histories).
+    ``also_finite``: values checked with the gradients, not unscaled (fp8).
     """
     state = validate(config, opt_state, params)
     prepared = prepare(config, grads, state, extra_args)
@@ -167,10 +134,8 @@ def finish(
 ) -> tuple[Any, LossScalingState]:
     """The step after its decision: vetoes, the skip, the scale rule, the records.
 
-    ``params``: on the fused path, the trained parameters (`split`); their
-    new values are returned. ``retries``: the attempts `jls.train_step` made.
-    With the off switch (``decision`` may be ``None``) the inner optimizer's
-    own step.
+    A skipped step returns every leaf bitwise as it was, and ``-0.0``
+    updates. ``retries``: the attempts `jls.train_step` made.
     """
     state, loss, args = prepared
     if config.off:
@@ -229,11 +194,7 @@ def step_info(
 def unscaled_grads(
     config: Config, grads: Any, state: LossScalingState, info: StepInfo
 ) -> Any:
-    """The gradients unscaled, times the hooks' factor: one multiplication a leaf.
-
-    The reciprocals are computed once (not once per fusion that reads one),
-    and XLA fuses the multiplication into the optimizer's update.
-    """
+    """The gradients unscaled, times the hooks' factor: one multiplication a leaf."""
     factors = {}
     if not config.scaler.is_identity:  # no factors: the scale is 1 forever
         two = config.scaler.two_factor
@@ -280,10 +241,7 @@ def recorded(
     reads: dict[str, Any],
     vetoed: dict[str, jax.Array],
 ) -> dict[str, Any]:
-    """Each hook's state after the step (`Hook.update`), by name.
-
-    ``reads`` are zeros on a skipped step (`Hook.read_updates`).
-    """
+    """Each hook's state after the step, by name (``reads`` zero if skipped)."""
     nothing = jax.tree.map(jnp.zeros_like, reads)
     reads = select_tree(apply, reads, nothing)
     after = info._replace(applied=apply, loss_scale=loss_scale, reads=reads)
@@ -295,10 +253,7 @@ def recorded(
 
 
 def _validated(config: Config, opt_state: Any) -> LossScalingState:
-    """``opt_state`` if it is a state this configuration's ``init`` made.
-
-    Checked at trace time; boxed leaves (flax ``nnx``) are unwrapped.
-    """
+    """``opt_state`` if this configuration's ``init`` made it, leaves unboxed."""
     if not isinstance(opt_state, LossScalingState):
         hint = ""
         if holds(opt_state, LossScalingState):

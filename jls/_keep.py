@@ -1,15 +1,9 @@
 """State outside the optimizer, kept as it was on a skipped step.
 
-A skipped step leaves everything jls holds bitwise as it was, but a model
-also updates state outside any optimizer, in its forward pass: BatchNorm's
-running statistics (an equinox ``eqx.nn.State``, or statistics a user
-threads by hand), an EMA of the weights, a step counter. A forward pass that
-overflowed in float16 writes inf or nan into them before jls sees the
-gradients; with BatchNorm normalising by its running statistics (equinox's
-``mode="ema"``), every later forward pass is then nan and every later step
-is skipped. `keep_if_skipped` is the one call that keeps such state as the
-step keeps the parameters. (``jls.flax``'s classes do it for flax's
-``batch_stats`` and ``nnx.BatchStat`` themselves.)
+A forward pass that overflowed writes inf or nan into the state a model
+updates outside any optimizer (BatchNorm's running statistics, an EMA);
+`keep_if_skipped` keeps that state as the step keeps the parameters.
+(``jls.flax``'s classes do it for flax's batch statistics themselves.)
 """
 
 from __future__ import annotations
@@ -26,29 +20,20 @@ from jls._tree import loss_scale_state
 def keep_if_skipped(new: Any, old: Any, *opt_states: Any) -> Any:
     """``new`` if the step was applied, else ``old``: state outside the optimizer.
 
-    Call it in the step, after the update, on any state the forward pass
-    updated outside the optimizer (an equinox ``eqx.nn.State`` holding
-    BatchNorm's running statistics, statistics you thread yourself): on a
-    skipped step it is returned bitwise as it was before the step, so the
-    inf or nan an overflowing forward pass wrote never reaches it, and the
-    next step runs as if the skipped one never happened, as the parameters
-    and the optimizer state do. Each leaf is selected (``lax.select`` on the
-    decision, fused into the step; never ``0 * x``).
-
-    With several optimizers (a GAN's generator and discriminator), pass the
-    states of every step whose forward pass wrote ``new``: it is kept when
-    any of them was skipped.
+    Call it after the update on state the forward pass wrote (an equinox
+    ``eqx.nn.State``): on a skipped step it comes back bitwise as it was,
+    one ``lax.select`` per leaf, as the parameters do. With several
+    optimizers (a GAN), pass every state whose step wrote ``new``: any
+    skip keeps ``old``.
 
     Args:
       new: the state after the step's forward pass (a pytree of arrays).
-      old: the same state before the step, of the same structure.
-      *opt_states: the optimizer states the step returned (each holding one
-        `LossScaleState`), at least one.
+      old: the same state before the step.
+      *opt_states: the optimizer states the step returned, at least one.
 
     Returns:
-      ``new`` if no step in ``opt_states`` was skipped, else ``old``, with
-      ``new``'s dtypes. With ``jls.no_scale(skip_nonfinite=False)`` (jls
-      off) no step is ever skipped and ``new`` is always returned.
+      ``new`` (in its dtypes) unless a step in ``opt_states`` was skipped,
+      else ``old``.
 
     Raises:
       TypeError: if no optimizer state is given, or ``new`` and ``old`` differ

@@ -1,27 +1,14 @@
 """flax drop-ins on jls's fused path: ``jls.flax.Optimizer``, ``jls.flax.TrainState``.
 
-``nnx.Optimizer.update`` and linen's ``TrainState.apply_gradients`` call
-``tx.update`` and then ``optax.apply_updates``: with a `jls.loss_scaling`
-transformation that works, but materialises the updates tree between the two
-(the ``tx.update`` path, measured in ``benchmarks/bench_flax.py``). These
-subclasses change only that: they apply the step with `jls.apply_gradients`
-(the inner update and the parameter update in one step, each new leaf
-selected against its old one), and
-their ``step`` counts applied steps only, so it matches the inner optimizer's
-own count and the schedules it drives. Everything else is flax's.
-
-fp8: linen's ``TrainState`` overwrites the ``_overwrite_with_gradient``
-collection (the fp8 scales and amax histories that flax's fp8 ops return as
-their "gradients") directly, outside ``tx``. ``jls.flax.TrainState`` does
-the same, with Keras's ``LossScaleOptimizer`` semantics under loss scaling:
-these values are never unscaled (they are not gradients), but they are
-checked with the gradients, and a skipped step keeps the old ones. A
-backward pass that overflows records an infinite amax even where fp8
-clamping kept the gradients themselves finite; written into the history, it
-would make every later fp8 scale 0.
-
-Needs flax: ``pip install -e ".[flax]"`` in a checkout of the repository
-(jls is not on a package index yet).
+They differ from flax's in three ways: the step is `jls.apply_gradients`
+(no updates tree between ``tx.update`` and ``optax.apply_updates``);
+``step`` counts applied steps only, as the inner optimizer's schedules do;
+and on a skipped step the state the forward pass wrote outside the optimizer
+(BatchNorm statistics, linen's fp8 ``_overwrite_with_gradient`` values) is
+kept as it was, by the same select per leaf as the step
+(`jls._cond.select_tree`). fp8 values are checked with the gradients but
+never unscaled, as Keras's ``LossScaleOptimizer`` does. Needs flax
+(``pip install -e ".[flax]"``); ``docs/howto/flax.md`` shows both.
 """
 
 from __future__ import annotations
@@ -66,8 +53,7 @@ class TrainState(train_state.TrainState):
         """Makes the state as flax does; ``tx`` must be made by `jls.loss_scaling`.
 
         Raises:
-          TypeError: if ``tx`` is not (a wrapper around ``loss_scaling`` is
-            refused here, not at the first step, naming the order that works).
+          TypeError: if ``tx`` is not (naming the order that works).
         """
         config_of(tx)
         return super().create(tx=tx, **kwargs)
@@ -133,10 +119,8 @@ class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` on jls's fused path; ``step`` counts applied steps.
 
     Make it as flax's: ``jls.flax.Optimizer(model, jls.loss_scaling(...),
-    wrt=nnx.Param)``; ``optimizer.update(model, scaled_grads)``. A ``tx``
-    not made by `jls.loss_scaling` itself (``optax.MultiSteps`` around it,
-    say) is refused when the optimizer is made, with a ``TypeError`` naming
-    the order that works (``jls.loss_scaling(optax.MultiSteps(inner, k))``).
+    wrt=nnx.Param)``. A ``tx`` not made by `jls.loss_scaling` itself is
+    refused here with a ``TypeError``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls, jls.flax
@@ -170,16 +154,9 @@ class Optimizer(nnx.Optimizer):
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
         """One fused, loss-scaled step (``grads`` are the scaled gradients).
 
-        Unlike flax's, returns nothing: the fused path never builds the
-        updates tree. On a skipped step the ``keep`` variables (BatchNorm
-        statistics, by default) are written back as they were after the
-        previous step: a forward pass that overflowed wrote inf into them.
-
-        Args:
-          model: the model, whose ``wrt`` variables are stepped.
-          grads: the scaled gradients (``nnx.grad`` of the scaled loss).
-          **kwargs: forwarded to the transformation (``loss=`` for a hook
-            that watches the loss).
+        Returns nothing (no updates tree is built). On a skipped step the
+        ``keep`` variables (``nnx.BatchStat``) are restored as they were;
+        ``kwargs`` go to the transformation (``loss=`` for a hook).
         """
         graph = self._graph()
         params = _pure(nnx.state(model, self.wrt, **graph))
