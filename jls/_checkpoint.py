@@ -1,10 +1,7 @@
-"""Restoring checkpoints saved by an older jls, whose states had fewer fields.
+"""`upgrade_state`: checkpoints of an older jls, whose states had fewer fields.
 
-A checkpoint whose jls states lack fields added since (``headroom``,
-``consecutive_spikes``) or keep hook states in their older places does not
-restore onto a ``tx.init(params)`` target as it is. `upgrade_state` maps it
-onto the target's structure and fills only jls's own missing fields from the
-target; any other mismatch is an error naming the path.
+It maps the checkpoint onto the target's structure and fills only jls's own
+missing fields from the target; any other mismatch is an error naming the path.
 """
 
 from __future__ import annotations
@@ -95,26 +92,23 @@ def _leaf_paths(tree: Any) -> set[str]:
 def upgrade_state(restored: Any, target: Any) -> Any:
     """``restored`` in ``target``'s structure, with jls's newer fields filled.
 
-    Restore an old checkpoint without a target (orbax's
-    ``StandardCheckpointer().restore(path)``, or
-    ``flax.serialization.to_state_dict``), then pass that raw tree and the
-    structure you saved (``{"params": params, "opt_state": tx.init(params)}``).
-    Every leaf of ``target`` is taken from ``restored`` by its key path; a
-    jls state field the checkpoint lacks takes ``target``'s value (for a
-    fresh ``tx.init``, the value a new run starts with).
+    Restore the checkpoint without a target (orbax's
+    ``StandardCheckpointer().restore(path)``), then pass that raw tree and
+    the structure you saved. Each leaf of ``target`` is taken from
+    ``restored`` by its key path; a jls field the checkpoint lacks
+    (``headroom``, say) keeps ``target``'s value.
 
     Args:
       restored: the checkpoint's tree, as restored without a target.
-      target: a tree of the structure to restore into; its leaves are used
-        only for jls fields the checkpoint lacks.
+      target: a tree of the structure to restore into (``tx.init(params)``
+        for the optimizer state).
 
     Returns:
       A tree of ``target``'s structure.
 
     Raises:
-      KeyError: if a leaf outside jls's own state fields is missing from
-        ``restored`` (a different model or optimizer), or ``restored`` has
-        leaves ``target`` has no place for.
+      KeyError: if a leaf outside jls's own fields is missing from
+        ``restored``, or ``restored`` has leaves ``target`` has no place for.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -150,11 +144,7 @@ def upgrade_state(restored: Any, target: Any) -> Any:
 
 
 def _pick(restored: Any, owned, used: set[str], path: tuple, default: Any) -> Any:
-    """The leaf of ``restored`` at ``target``'s ``path``, found in any layout.
-
-    ``default`` (``target``'s leaf) when the path is under one of jls's own
-    states (``owned``); adds the path it read to ``used``.
-    """
+    """The leaf of ``restored`` at ``path`` in any layout, else ``default`` if owned."""
     node, walked, renamed = restored, [], False
     for depth, key in enumerate(path):
         moved = _moved_hook_field(path, depth, node)
@@ -189,12 +179,7 @@ def _pick(restored: Any, owned, used: set[str], path: tuple, default: Any) -> An
 
 
 def _moved_hook_field(path: tuple[Any, ...], depth: int, node: Any) -> tuple | None:
-    """The older sub-path of a hook state's field at ``path[depth]``, if moved.
-
-    ``path[depth]`` names a field of hook ``path[depth - 1]``'s state, and
-    ``node`` (the restored value there) has no such field: the checkpoint
-    keeps that hook's state as a bare value or dict (the older layout).
-    """
+    """The older sub-path of hook field ``path[depth]`` if ``node`` lacks it."""
     if depth < 2 or getattr(path[depth - 2], "name", None) != "hooks":
         return None
     fields = _HOOK_FIELDS_0_3.get(str(getattr(path[depth - 1], "key", "")))

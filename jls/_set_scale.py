@@ -1,8 +1,4 @@
-"""`set_loss_scale`: a new scale (or a whole new state) for a run, checked.
-
-jls's counterpart of MindSpore's ``set_sense_scale`` and torch's
-``update(new_scale)``: one pure function returning a new optimizer state.
-"""
+"""`set_loss_scale`: a new scale (or state), as torch's ``update(new_scale)``."""
 
 from __future__ import annotations
 
@@ -30,28 +26,21 @@ def set_loss_scale(
     Args:
       opt_state: an optimizer state containing one `LossScaleState` (or the
         `LossScaleState` itself).
-      scale: the new scale, a positive normal float32 (checked now), or a
-        scalar traced inside ``jit``: a traced value that would be refused
-        leaves the scale unchanged (a scale outside the rule's range is
-        never applied: see `jls.LossScaler.in_range`). Or a whole
-        `LossScaleState` (e.g. from ``jls.presets.from_torch_state_dict``),
-        which replaces the state's one.
+      scale: the new scale, a positive normal float32; traced inside
+        ``jit``, a value that would be refused leaves the scale unchanged.
+        Or a whole `LossScaleState`, which replaces the state's one.
       scaler: the run's `LossScaler`; when given, ``scale`` must lie in its
-        range (and be a power of two for `jls.measured_scale`).
-      reset_counters: restart the counters as after ``scaler``'s fresh start
-        (the growth count at its restart value, every other at 0); needs
-        ``scaler``. Default: the counters are kept.
+        range (`jls.LossScaler.in_range`).
+      reset_counters: restart the counters as ``scaler`` restarts them
+        (needs ``scaler``); by default they are kept.
 
     Returns:
       The new state, of the same structure.
 
     Raises:
-      TypeError: if ``scale`` is not a real number, real scalar array or
-        `LossScaleState`, ``scaler`` is not a `LossScaler`, or
-        ``reset_counters`` is not a bool.
+      TypeError: if an argument has the wrong type.
       ValueError: if a concrete ``scale`` is not a positive normal float32
-        or lies outside the scaler's range, or ``reset_counters`` is given
-        without ``scaler``.
+        or outside the scaler's range, or ``reset_counters`` lacks ``scaler``.
 
     Example:
       >>> import jls

@@ -1,9 +1,7 @@
 """`LossScaleState`: the whole dynamic part of loss scaling, as arrays.
 
 Every rule uses this one state type, so switching scalers never changes a
-checkpoint's structure or retraces a step. Every field is an array leaf of
-fixed dtype, made from numpy scalars (importing jls starts no backend), a
-buffer of its own (a state can always be donated).
+checkpoint's structure or retraces a step.
 """
 
 from __future__ import annotations
@@ -23,15 +21,14 @@ class LossScaleState(NamedTuple):
       growth_count: int32, finite steps counted towards the next growth.
       backoff_count: int32, non-finite steps counted towards the next
         back-off (``backoff_interval``, ``hysteresis``; else 0).
-      consecutive_skips: int32, steps in a row, ending with the latest, whose
-        update was dropped.
+      consecutive_skips: int32, dropped steps in a row, ending with the latest.
       total_skips: int32, steps so far whose update was dropped.
       consecutive_nonfinite: int32, steps in a row, ending with the latest,
         with non-finite gradients (dropped or not).
-      retries: int32, how many times the latest step's gradients were
-        recomputed (``jls.train_step(..., max_retries=n)``); not steps.
-      headroom: float32, the measured rule's extra headroom, a power of two
-        >= 1 (`jls.measured_scale`); 1 for every other rule.
+      retries: int32, times the latest step's gradients were recomputed
+        (``jls.train_step(..., max_retries=n)``).
+      headroom: float32, `jls.measured_scale`'s extra headroom, a power of
+        two >= 1; 1 for every other rule.
 
     Example:
       >>> import jls
@@ -75,10 +72,7 @@ def make_state(
     retries: int = 0,
     headroom: float = 1.0,
 ) -> LossScaleState:
-    """Builds a `LossScaleState` of committed (not weakly typed) arrays.
-
-    Every field is a buffer of its own, so a state can always be donated.
-    """
+    """A `LossScaleState` of strongly typed arrays, each its own buffer."""
     values = locals()
     return LossScaleState(
         **{
@@ -106,15 +100,14 @@ def check_state(
     Args:
       state: the value to check.
       argname: the argument name used in error messages.
-      batched: accept fields of one common shape (a state stacked by
-        ``vmap`` or ``pmap``, read on the host), not only scalars.
+      batched: accept fields of one common shape (a ``vmap``-ed state).
 
     Returns:
       ``state`` with every field a plain (possibly traced) array.
 
     Raises:
       TypeError: if ``state`` is not a `LossScaleState`, or a field has the
-        wrong dtype or is not a scalar.
+        wrong dtype or shape.
     """
     if not isinstance(state, LossScaleState):
         raise TypeError(

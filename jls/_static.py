@@ -1,9 +1,4 @@
-"""Fixed scales: `static_scale` and `no_scale`, the dynamic rule without moves.
-
-A static scaler is `jls._dynamic`'s rule with both factors 1 and the range
-pinned to the one value; `no_scale` is the static scaler of scale 1, the
-skip-on-nan wrapper for bfloat16 and float32 runs.
-"""
+"""Fixed scales: `static_scale` and `no_scale`, the dynamic rule pinned to one value."""
 
 from __future__ import annotations
 
@@ -30,14 +25,11 @@ def static_named(name: Namer, value: Any, skip_nonfinite: Any = True) -> LossSca
 
 
 def static_scale(value: float, *, skip_nonfinite: bool = True) -> LossScaler:
-    """A fixed loss scale.
-
-    Non-finite steps are still detected, counted and (by default) dropped.
+    """A fixed loss scale; non-finite steps are still counted (and dropped).
 
     Args:
       value: the scale, a positive float32-representable number.
-      skip_nonfinite: drop a step whose gradients are not finite (default);
-        ``False`` applies it anyway.
+      skip_nonfinite: drop a step whose gradients are not finite (default).
 
     Returns:
       A `LossScaler` whose scale never changes.
@@ -56,10 +48,7 @@ def static_scale(value: float, *, skip_nonfinite: bool = True) -> LossScaler:
 
 
 def no_scale(*, skip_nonfinite: bool = True) -> LossScaler:
-    """Scale 1: no loss scaling, for bfloat16 or float32 training.
-
-    Steps with non-finite gradients are still detected and (by default)
-    skipped, which makes this the skip-on-nan wrapper for bfloat16.
+    """Scale 1: no loss scaling, non-finite steps still skipped (for bfloat16).
 
     Args:
       skip_nonfinite: drop a step whose gradients are not finite (default).
