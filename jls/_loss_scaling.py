@@ -43,7 +43,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         dropped, and whether its gradients were not all finite (or its scale
         out of range); they differ on a veto or with ``skip_nonfinite=False``.
       * ``consecutive_skips``, ``total_skips``: skipped steps in a row, and
-        so far (retries are not steps); ``consecutive_nonfinite``: non-finite.
+        so far (retries are not steps).
+      * ``consecutive_nonfinite``: non-finite steps in a row.
       * ``growth_count``: consecutive finite steps towards the next growth.
       * ``retries``: how often the latest step's gradients were recomputed
         (``jls.train_step(..., max_retries=n)``).
@@ -97,7 +98,7 @@ def loss_scaling(
     bitwise unchanged (its step count and schedules do not advance). Either
     way it adjusts the loss scale. Extra arguments go to ``inner``; one trace
     serves every step. Put it outermost, around ``optax.MultiSteps`` too
-    (``docs/howto/accumulation.md``); `apply_gradients` is the fused step.
+    (``docs/howto/accumulation.md``); `apply_gradients` is the faster fused step.
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
@@ -175,11 +176,11 @@ def apply_gradients(
 ) -> tuple[optax.Params, LossScalingState]:
     """Applies one loss-scaled step to the parameters: the fused path.
 
-    ``tx.update`` followed by ``optax.apply_updates``, with the same
-    guarantees, but the skip selects the new parameters against the old ones
-    (a skipped step returns ``params`` and the inner state bitwise), so no
-    updates tree is kept in memory. Donate ``params`` and ``opt_state`` to
-    ``jit`` to update them in place.
+    ``tx.update`` then ``optax.apply_updates``, with the same guarantees, but
+    the skip selects the new parameters against the old ones (a skipped step
+    returns ``params`` and the inner state bitwise) and XLA fuses each update
+    into its parameter: no updates tree in memory. Donate ``params`` and
+    ``opt_state`` to ``jit`` to update them in place.
 
     Args:
       tx: a transformation made by `loss_scaling` (not wrapped further), or

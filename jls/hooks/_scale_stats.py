@@ -77,12 +77,12 @@ class ScaleStats(Hook):
     ``scale_stats=True`` (``ScaleStats()``), a dtype, or the hook.
 
     Attributes:
-      dtype: the floating dtype judged against (default float16).
-      every: measure one call in ``every`` (an int >= 1; default 1: each),
-        the first and every ``every``-th, holding the last measurement
-        between: the second read of the gradients is paid on those steps
-        only, inside a ``lax.cond`` (both branches run under ``vmap`` with a
-        batched state). On XLA:CPU without donation that conditional holds
+      dtype: the floating dtype judged against, of at most 32 bits
+        (default float16).
+      every: measure the first call and every ``every``-th after it (an int
+        >= 1; default 1: each), holding the last measurement between: the
+        second read of the gradients is paid on those steps only, inside a
+        ``lax.cond`` (both branches run under ``vmap`` with a batched state). On XLA:CPU without donation that conditional holds
         the gradients: temporaries as large as they are.
 
     With the off switch (``jls.no_scale(skip_nonfinite=False)``) it makes
