@@ -82,8 +82,9 @@ class ScaleStats(Hook):
       every: measure the first call and every ``every``-th after it (an int
         >= 1; default 1: each), holding the last measurement between: the
         second read of the gradients is paid on those steps only, inside a
-        ``lax.cond`` (both branches run under ``vmap`` with a batched state). On XLA:CPU without donation that conditional holds
-        the gradients: temporaries as large as they are.
+        ``lax.cond`` (both branches run under ``vmap`` with a batched state).
+        On XLA:CPU without donation that conditional holds the gradients:
+        temporaries as large as they are.
 
     With the off switch (``jls.no_scale(skip_nonfinite=False)``) it makes
     the step a checked one, no longer bitwise the plain optimizer's.
