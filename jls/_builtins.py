@@ -1,13 +1,7 @@
-"""The hooks `jls.loss_scaling`'s feature keywords stand for: one function.
+"""The hooks `jls.loss_scaling`'s feature keywords stand for.
 
-Every optional feature is a hook (`jls.hooks`); the keywords of
-`jls.loss_scaling` (``gradient_norm=True``, ``skip_spikes=``, ...) are a
-convenience that `hooks_from_options` alone turns into hook objects, put
-before the ``hooks=`` the caller gives. `jls.LossScaling` takes hooks only;
-`keywords_refused` is its error for a feature keyword, naming the hooks it
-stands for. Whether a hook fits the rest of the transformation (an
-``axis_name`` to compare over) is the hook's own `Hook.check`, called by
-`jls._config.make_config`.
+`hooks_from_options` alone turns them into hooks; `keywords_refused` is
+`jls.LossScaling`'s error for them, naming the hooks they stand for.
 """
 
 from __future__ import annotations
@@ -58,10 +52,6 @@ def hooks_from_options(
 ) -> tuple[Hook, ...]:
     """The hooks the feature keywords stand for, then ``hooks``.
 
-    The step adds `jls.hooks._nonfinite_loss.NonfiniteLoss` before them
-    (`jls._config.make_config`): it is always on, for every way of making
-    the transformation.
-
     Raises:
       TypeError, ValueError: naming the keyword, for a bad value.
     """
@@ -96,10 +86,8 @@ def hooks_from_options(
 def keywords_refused(options: Mapping[str, Any]) -> TypeError:
     """`jls.LossScaling`'s error for keywords it does not take, naming the fix.
 
-    Feature keywords of `jls.loss_scaling` are answered with the hooks that
-    call would make (its defaults included: ``gradient_norm=True`` with the
-    default divergence limit is ``hooks=(jls.hooks.Divergence(limit=1000),
-    jls.hooks.GradientNorm())``); any other keyword gets Python's own message.
+    A feature keyword gets the hooks `jls.loss_scaling` would make (defaults
+    included); any other keyword Python's own message.
     """
     unknown = [name for name in options if name not in FEATURES]
     if unknown:

@@ -1,12 +1,8 @@
 """A loss-scaled step's configuration: validated once, frozen, closed over.
 
 `make_config` checks every argument of `jls.LossScaling` when the
-transformation is made: the inner optimizer, the scaler, the axis names,
-and the hooks (after the always-on `NonfiniteLoss`, names unique, each
-hook's own `Hook.check` against the rest). `jls.loss_scaling`'s feature
-keywords reach it already turned into hooks
-(`jls._builtins.hooks_from_options`). The step's pure functions
-(`jls._core`) read nothing else.
+transformation is made; the step's pure functions (`jls._core`) read
+nothing else.
 """
 
 from __future__ import annotations
@@ -66,12 +62,7 @@ def make_config(
     axis_name: Any,
     hooks: Sequence[Hook],
 ) -> Config:
-    """A validated `Config`: `NonfiniteLoss`, then ``hooks``.
-
-    `NonfiniteLoss` is always on: it skips for every scaler that skips
-    non-finite steps, and only records for one configured to apply them
-    (MindSpore's ``drop_overflow_update=False``, the off switch), so the
-    metrics have the same keys in every setting.
+    """A validated `Config`: the always-on `NonfiniteLoss`, then ``hooks``.
 
     Raises:
       TypeError, ValueError: naming the argument, for a bad value, two hooks

@@ -29,8 +29,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     """The loss-scale metrics of a step, for logging.
 
     Works inside ``jit`` and on the host, on a state batched by ``vmap`` or
-    ``pmap`` too. Every value is a plain array (an ``nnx.Optimizer``'s state
-    is unwrapped).
+    ``pmap`` too; every value is a plain array. The keys are the same for
+    every scaler, the off switch included.
 
     Args:
       opt_state: a `LossScaleState` or any optimizer state containing one.
@@ -39,28 +39,19 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       A dict of scalar arrays:
 
       * ``loss_scale``: the scale for the next step (float32).
-      * ``skipped``: whether the latest step's update was dropped (bool).
-      * ``nonfinite``: whether the latest step's gradients were not all
-        finite (bool). Equal to ``skipped`` unless the scaler applies such
-        steps (``skip_nonfinite=False``), a hook vetoed a finite step, or the
-        step's scale was outside the scaler's range (then the step counts as
-        non-finite and is dropped).
-      * ``consecutive_skips``: skipped steps in a row, ending with the latest.
-      * ``total_skips``: skipped steps so far. Retries are not steps. A
-        step counter that counts every call (flax's ``TrainState.step``)
-        minus ``total_skips`` is the inner optimizer's own count.
-      * ``consecutive_nonfinite``: steps in a row with non-finite gradients.
+      * ``skipped``, ``nonfinite``: whether the latest step's update was
+        dropped, and whether its gradients were not all finite (or its scale
+        out of range); they differ on a veto or with ``skip_nonfinite=False``.
+      * ``consecutive_skips``, ``total_skips``: skipped steps in a row, and
+        so far (retries are not steps).
+      * ``consecutive_nonfinite``: non-finite steps in a row.
       * ``growth_count``: consecutive finite steps towards the next growth.
-      * ``retries``: how many times the latest step's gradients were
-        recomputed (``jls.train_step(..., max_retries=n)``).
-      * ``nonfinite_loss``: whether the latest step's loss (given as
-        ``loss=``, or by `jls.train_step`) was not finite; such a step is
-        skipped with the scale held, unless the scaler applies non-finite
-        steps (then it is only recorded). These keys are the same for every
-        scaler, the off switch included: one logger serves every precision.
-      * what each hook's state reports (its ``metrics()``): the built-in
-        hooks' keys are listed by `jls.hooks.builtin_metrics`, read from the
-        code; a user hook's are its state's.
+      * ``retries``: how often the latest step's gradients were recomputed
+        (``jls.train_step(..., max_retries=n)``).
+      * ``nonfinite_loss``: whether the latest step's loss (``loss=``) was
+        not finite; such a step is skipped with the scale held.
+      * each hook state's ``metrics()`` (`jls.hooks.builtin_metrics` lists
+        the built-in hooks' keys).
 
     Example:
       >>> import jls
@@ -102,90 +93,35 @@ def loss_scaling(
     """Wraps an optax optimizer with loss scaling.
 
     ``update`` takes the SCALED gradients (of ``jls.scale_loss(loss, state)``).
-    It checks them, and when every unscaled gradient is finite it unscales
-    them and runs ``inner``; otherwise it returns zero updates and leaves
-    ``inner``'s state bitwise unchanged (its step count and schedules do not
-    advance). Either way it adjusts the loss scale. Extra arguments are
-    forwarded to ``inner``. One trace serves every step.
-
-    For the smallest overhead, apply the step with `apply_gradients` instead
-    of ``update`` + ``optax.apply_updates``.
-
-    Composition: put ``loss_scaling`` outermost. Inside it, any optax
-    transformation (``chain`` with ``clip_by_global_norm``, ``masked``,
-    ``inject_hyperparams``, ``MultiSteps``) sees unscaled gradients. With
-    gradient accumulation, ``loss_scaling(optax.MultiSteps(inner, k))`` is
-    the recommended order: each micro-batch is checked before it reaches the
-    accumulator, so a non-finite micro-batch is dropped alone (the window
-    waits for one more) and can never poison the accumulator, and the scale
-    backs off at once. In the other order, ``MultiSteps`` accumulates scaled
-    gradients and resets its accumulator as ``0 * acc``, so one nan
-    micro-batch would poison every later window; that order needs
-    ``MultiSteps(..., should_skip_update_fn=optax.skip_not_finite)``, and
-    then jls never sees (or backs off for) the dropped micro-batches.
+    When every unscaled gradient is finite it unscales them and runs
+    ``inner``; otherwise it returns zero updates and leaves ``inner``'s state
+    bitwise unchanged (its step count and schedules do not advance). Either
+    way it adjusts the loss scale. Extra arguments go to ``inner``; one trace
+    serves every step. Put it outermost, around ``optax.MultiSteps`` too
+    (``docs/howto/accumulation.md``); `apply_gradients` is the faster fused step.
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
       scaler: a `LossScaler`; default ``jls.dynamic_scale()``.
-      axis_name: the ``pmap``/``shard_map`` axis name (or names) over which
-        replicas agree on the skip decision and the scale. It does not
-        average the gradients: for data parallelism ``lax.pmean`` them over
-        the axis first (or use ``jls.train_step(..., average_over=...)``).
-        Not needed under ``jit`` with sharded arrays, where the check is
-        already global.
-      hooks: `jls.hooks.Hook` objects the step consults (a veto of your own,
-        say), after the built-in ones the feature keywords below stand for.
-        The feature keywords are a convenience of this function: each is
-        turned into its hook here (``gradient_norm=True`` is
-        ``jls.hooks.GradientNorm()``), and `LossScaling` takes the hooks.
-      diagnostics: record which gradient leaves were not finite on the latest
-        step (``jls.metrics(...)["nonfinite_leaves"]``,
-        `jls.hooks.nonfinite_paths`). Costs nothing on finite steps; a skipped
-        step makes one more exact pass.
-      max_consecutive_skips: the divergence limit, an int in ``[1, 2**31 -
-        1]``: the state's ``diverged`` flag turns ``True`` on the step that
-        makes this many skipped steps in a row, and stays ``True``. It is
-        plain state, exact under ``vmap``, ``scan`` and ``pmap``;
-        `jls.hooks.raise_if_diverged` raises `jls.hooks.DivergenceError` from it (on the
-        host after the step, where you log metrics: it reads one flag; or
-        inside ``jit`` under ``checkify``). Default 1000 (reading the flag
-        costs nothing until you call it); ``None``: no flag.
-      gradient_norm: record the global norm of each step's unscaled
-        gradients (``jls.metrics(...)["gradient_norm"]``), from the finite
-        check's own pass: the check becomes a sum of squares, which also
-        yields the norm (no second read of the gradients, unlike
-        ``optax.global_norm``), exact for every finite norm (inf past the
-        float32 maximum, and inf after a non-finite step: never nan); finite
-        gradients are never reported non-finite.
-      skip_spikes: a `jls.hooks.SpikeRule`: also skip a step whose gradient norm
-        (or loss, given as ``loss=``) is an outlier against its running
-        statistics. Composes with every scaler, ``no_scale()`` included.
-      check_replicas: with ``axis_name``: compare a fingerprint of the
-        gradients (one element per leaf, bitwise) across the replicas and
-        count the finite steps where they differ
-        (``jls.metrics(...)["replicas_differ"]``, ``["replica_mismatches"]``):
-        data-parallel gradients that were not averaged. ``True`` compares
-        over the one ``axis_name``; with several (data x model), give the
-        data-parallel ones (``check_replicas="data"``). One small
-        collective per step. The fingerprint is each leaf's first element: a
-        forgotten average changes every element and is caught; a difference
-        confined to other elements is not. Vetoed finite steps count too.
-        Under ``shard_map`` with ``check_vma=True`` jax's types already keep
-        replicas equal: nothing is compared.
-      scale_stats: ``True`` (or a floating dtype, default float16): record
-        what the scale does to the scaled gradients in that compute dtype,
-        ``jls.metrics(...)["underflow_fraction"]`` (the fraction of entries
-        below its smallest normal, zeros included) and ``["headroom_bits"]``
-        (``log2(dtype max / max |g|)``, ``-inf`` after a non-finite step);
-        or a `jls.hooks.ScaleStats` (``every=n``: measure one step in ``n``).
-      donated: deprecated and ignored (a DeprecationWarning; removed in the
-        next release): the skip compiles without copies whether or not your
-        step donates (``docs/performance.md``).
+      axis_name: the ``pmap``/``shard_map`` axis (or axes) over which replicas
+        agree on the skip and the scale; it does not average the gradients.
+        Not needed under ``jit`` with sharded arrays (the check is global).
+      hooks: more `jls.hooks.Hook` objects, consulted after those the keywords
+        below stand for (`LossScaling` takes the hooks only).
+      diagnostics: add `jls.hooks.Diagnostics` (which leaves were not finite).
+      max_consecutive_skips: the limit of `jls.hooks.Divergence` (the sticky
+        ``diverged`` flag); ``None``: no flag.
+      gradient_norm: add `jls.hooks.GradientNorm` (each step's gradient norm).
+      skip_spikes: a `jls.hooks.SpikeRule`: skip (or clip) outlier steps.
+      check_replicas: add `jls.hooks.ReplicaCheck`: ``True``, or the
+        data-parallel axes of ``axis_name`` to compare the gradients over.
+      scale_stats: add `jls.hooks.ScaleStats`: ``True``, a dtype, or the hook.
+      donated: deprecated and ignored (a DeprecationWarning).
 
     Returns:
-      ``LossScaling(...).gradient_transformation()``: an
-      ``optax.GradientTransformationExtraArgs``; its state is described in
-      `LossScaling`.
+      ``LossScaling(...).gradient_transformation()``, an
+      ``optax.GradientTransformationExtraArgs``; its state is a
+      `LossScalingState`.
 
     Raises:
       TypeError: if ``inner`` is not an optax transformation, ``scaler`` is
@@ -206,13 +142,7 @@ def loss_scaling(
       (Array([-0., -0.], dtype=float32), Array(2., dtype=float32))
     """
     if donated is not None:
-        warnings.warn(
-            f"loss_scaling(donated={donated!r}) is deprecated and ignored: the "
-            "skip compiles without copies whether or not the step donates. "
-            "Remove the argument; it is removed in the next release of jls.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn_donated(donated)
     options = hooks_from_options(
         hooks,
         diagnostics=diagnostics,
@@ -226,6 +156,17 @@ def loss_scaling(
     return scaling.gradient_transformation()
 
 
+def _warn_donated(donated: Any) -> None:
+    """The DeprecationWarning for ``donated=``, at `loss_scaling`'s caller."""
+    warnings.warn(
+        f"loss_scaling(donated={donated!r}) is deprecated and ignored: the "
+        "skip compiles without copies whether or not the step donates. "
+        "Remove the argument; it is removed in the next release of jls.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 def apply_gradients(
     tx: optax.GradientTransformation,
     grads: optax.Updates,
@@ -235,22 +176,23 @@ def apply_gradients(
 ) -> tuple[optax.Params, LossScalingState]:
     """Applies one loss-scaled step to the parameters: the fused path.
 
-    Equivalent to ``updates, opt_state = tx.update(grads, opt_state, params)``
-    followed by ``optax.apply_updates(params, updates)``, with the same
-    guarantees, but the skip decision wraps the inner update and the
-    parameter update together: a skipped step returns ``params`` and the
-    inner state untouched without computing anything, and a finite step costs
-    one reduction over the gradients more than the plain optimizer. Donate
-    ``params`` and ``opt_state`` to ``jit`` to update them in place.
+    ``tx.update`` then ``optax.apply_updates``, with the same guarantees, but
+    the skip selects the new parameters against the old ones (a skipped step
+    returns ``params`` and the inner state bitwise) and XLA fuses each update
+    into its parameter: no updates tree in memory. Donate ``params`` and
+    ``opt_state`` to ``jit`` to update them in place.
 
     Args:
       tx: a transformation made by `loss_scaling` (not wrapped further), or
         a `LossScaling`.
       grads: the scaled gradients.
       opt_state: ``tx``'s state.
-      params: the parameters (a whole model too: see
-        `LossScaling.apply_gradients`).
-      **extra_args: forwarded to the inner optimizer's ``update``.
+      params: any pytree, a whole model too (an equinox ``Module``): its
+        floating arrays with a gradient are stepped (initialise the
+        optimizer on them), every other leaf returned as it is, as
+        ``eqx.apply_updates`` does.
+      **extra_args: forwarded to the inner optimizer's ``update``;
+        ``loss=`` goes to the hooks that read the loss.
 
     Returns:
       ``(new_params, new_opt_state)``.

@@ -1,12 +1,7 @@
 """`LossScaling`: the object that owns a loss-scaled step, and its optax pair.
 
-`jls.loss_scaling` returns ``LossScaling(...).gradient_transformation()``,
-as ``optax.MultiSteps`` owns its pair: ``init`` and ``update`` are methods,
-and `jls.apply_gradients` is the same object's fused path. The object holds
-a frozen `jls._config.Config` and nothing else; every step is
-`jls._core.step` over it (``docs/design.md`` draws the route of the
-gradients). `config_of` finds the configuration behind a transformation for
-the other entry points (`jls.train_step`, ``jls.flax``).
+It holds a frozen `jls._config.Config`; every step is `jls._core.step` over
+it. `config_of` finds it behind a transformation for the other entry points.
 """
 
 from __future__ import annotations
@@ -28,14 +23,10 @@ from jls.hooks._hooks import Hook, LossScalingState
 class LossScaling:
     """Loss scaling around an optax optimizer: the object that owns the step.
 
-    Made by `jls.loss_scaling`, which returns its `gradient_transformation`
-    (the optax pair); `jls.apply_gradients` and `jls.train_step` use it too.
-
-    It takes the hooks themselves, not `jls.loss_scaling`'s feature keywords
-    (``gradient_norm=True`` is ``hooks=(jls.hooks.GradientNorm(),)`` here),
-    and so has no default divergence flag: that is ``loss_scaling``'s
-    ``max_consecutive_skips``, or ``hooks=(jls.hooks.Divergence(1000),)``.
-    The hook that holds the scale on a non-finite loss is always on.
+    `jls.loss_scaling` returns its `gradient_transformation` (as
+    ``optax.MultiSteps`` owns its pair). It takes hooks, not
+    `jls.loss_scaling`'s feature keywords, so it has no divergence flag
+    unless given one (``hooks=(jls.hooks.Divergence(1000),)``).
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
@@ -46,14 +37,9 @@ class LossScaling:
       **options: refused: a feature keyword of `jls.loss_scaling` raises a
         TypeError naming the hooks it stands for.
 
-    The state is a `jls.LossScalingState`: ``loss_scale`` (a
-    `jls.LossScaleState`), ``inner_state`` (the wrapped optimizer's, bitwise
-    unchanged by a skipped step) and ``hooks`` (each hook's state by name);
-    read it with `jls.metrics`.
-
     Attributes:
       config: the frozen configuration (``inner``, ``scaler``, ``axis_name``,
-        ``hooks``), each also an attribute of this object.
+        ``hooks``, also attributes); the state is a `jls.LossScalingState`.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -98,7 +84,7 @@ class LossScaling:
         return optax.GradientTransformationExtraArgs(self.init, update)
 
     def init(self, params: optax.Params) -> LossScalingState:
-        """The state before the first step (see the class notes)."""
+        """The state before the first step (a `jls.LossScalingState`)."""
         check_not_masked(params, "parameters")
         c = self.config
         hooks = {h.name: h.init(params) for h in c.hooks}
@@ -121,21 +107,7 @@ class LossScaling:
         params: optax.Params,
         **extra_args: Any,
     ) -> tuple[optax.Params, LossScalingState]:
-        """The fused step (`jls.apply_gradients`): ``(new_params, new_opt_state)``.
-
-        Args:
-          grads: the scaled gradients.
-          opt_state: this object's state.
-          params: the parameters: any pytree, a whole model too (an equinox
-            ``Module``). Only its floating arrays whose gradient is not
-            ``None`` are stepped (initialise the optimizer on them:
-            ``eqx.filter(model, eqx.is_inexact_array)``); every other leaf
-            (functions, Python numbers, integer arrays, frozen arrays) is
-            returned as it is, as ``eqx.apply_updates`` does.
-          **extra_args: forwarded to the inner optimizer's ``update`` (e.g.
-            ``value=`` for ``optax.contrib.reduce_on_plateau``); ``loss=`` goes
-            to the hooks that watch the loss.
-        """
+        """`jls.apply_gradients` with this object as ``tx``: the fused step."""
         return step(self.config, grads, opt_state, params, extra_args, fused=True)
 
 
@@ -143,8 +115,7 @@ def config_of(tx: Any) -> Config:
     """The configuration behind ``tx`` (made by `jls.loss_scaling`).
 
     Raises:
-      TypeError: naming the fix, if ``tx`` was not made by `jls.loss_scaling`
-        (or was wrapped by another transformation).
+      TypeError: naming the fix, if ``tx`` was not made by `jls.loss_scaling`.
     """
     if isinstance(tx, LossScaling):
         return tx.config

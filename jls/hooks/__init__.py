@@ -1,14 +1,8 @@
 """Hooks: every optional feature of a loss-scaled step, and the seam for yours.
 
-A hook is consulted by every step of a `jls.loss_scaling` transformation:
-it may veto the step, shrink its gradients, and record what it keeps in the
-state. Pass hooks as ``jls.loss_scaling(inner, hooks=(...))``; the keyword
-options of `jls.loss_scaling` (``gradient_norm=True``, ``skip_spikes=``,
-...) are the built-in hooks below. Each hook's state is a NamedTuple whose
-``metrics()`` `jls.metrics` reports; `builtin_metrics` lists them, from the
-code. The state types are records read through `jls.metrics`, not names
-to import; the hook that holds the scale on a non-finite loss is always on
-(no name to pass).
+A hook may veto a step, shrink its gradients, and record state that
+`jls.metrics` reports. Pass ``jls.loss_scaling(inner, hooks=(...))``; its
+feature keywords stand for the built-in hooks (`builtin_metrics`).
 
 Example:
   >>> import jax.numpy as jnp, optax, jls
@@ -47,9 +41,7 @@ _BUILTIN: dict[type[Hook], str] = {
 def builtin_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
     """``(class, state name, keyword, metric keys)`` of every built-in hook.
 
-    Read from the hooks themselves (each one made with its defaults and
-    initialised on a one-leaf tree), so the documentation's table cannot
-    drift from the code.
+    Read from the hooks themselves, so the docs' table cannot drift.
 
     Example:
       >>> import jls

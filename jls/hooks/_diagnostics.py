@@ -1,11 +1,4 @@
-"""Which gradient leaves overflowed: ``loss_scaling(..., diagnostics=True)``.
-
-The hook keeps a tree of flags like the parameters. On a finite step (the
-common case) every flag is ``False`` without looking at the gradients
-again; only a skipped step pays for a second, exact pass, inside a
-``lax.cond``. The flags are reduced over the replicas (a leaf is flagged if
-it was non-finite on any), and `nonfinite_paths` names them on the host.
-"""
+"""Which gradient leaves overflowed: ``loss_scaling(..., diagnostics=True)``."""
 
 from __future__ import annotations
 
@@ -30,11 +23,7 @@ def _empty_slice(x: jax.Array) -> jax.Array:
 
 
 def nonfinite_leaf_flags(tree: Any, finite: jax.Array, scale: jax.Array) -> Any:
-    """Per-leaf flags: which leaves of ``unscale(tree)`` are not all finite.
-
-    ``finite`` is the step's decision. Leaves that are not floating get
-    ``False``.
-    """
+    """Per leaf: not all finite once unscaled (all ``False`` where ``finite``)."""
 
     def per_leaf(op):
         def run(xs):
@@ -69,7 +58,14 @@ class DiagnosticsState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Diagnostics(Hook):
-    """Records which gradient leaves were not finite on the latest step."""
+    """Records which gradient leaves were not finite on the latest step.
+
+    ``jls.metrics(...)["nonfinite_leaves"]`` is a tree of bools like the
+    parameters (a leaf is flagged if it was not finite on any replica);
+    `jls.hooks.nonfinite_paths` names them. A finite step costs nothing (no
+    second look at the gradients); a skipped one makes one more exact pass,
+    inside a ``lax.cond``.
+    """
 
     name = "diagnostics"
 
@@ -94,9 +90,7 @@ class Diagnostics(Hook):
 
 
 def nonfinite_paths(opt_state: Any) -> list[str]:
-    """On the host: the paths of the gradient leaves that were not finite.
-
-    Reads the state (a sync point); use it when ``metrics()["skipped"]``.
+    """On the host (a sync point): the paths of the leaves that were not finite.
 
     Args:
       opt_state: the state of a ``jls.loss_scaling(..., diagnostics=True)``

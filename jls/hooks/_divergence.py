@@ -1,11 +1,4 @@
-"""Divergence: a run whose loss scale keeps overflowing must stop loudly.
-
-A run whose gradients stay non-finite makes no progress at all. Every
-``loss_scaling(...)`` has the `Divergence` hook (``max_consecutive_skips``,
-1000 by default; ``None`` turns it off): a sticky ``diverged`` flag in the
-state, which `raise_if_diverged` turns into a `DivergenceError` on the host
-or, inside ``jit``, through ``jax.experimental.checkify``.
-"""
+"""Divergence: a run whose loss scale keeps overflowing must stop loudly."""
 
 from __future__ import annotations
 
@@ -41,7 +34,16 @@ class DivergenceState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Divergence(Hook):
-    """A sticky flag: the step that makes ``limit`` skipped steps in a row."""
+    """A sticky ``diverged`` flag: set once ``limit`` steps in a row were skipped.
+
+    A run whose gradients stay non-finite makes no progress. Every
+    `jls.loss_scaling` adds this hook (``max_consecutive_skips=1000``;
+    ``None``: none); `jls.hooks.raise_if_diverged` raises from the flag. It
+    is plain state, exact under ``vmap``, ``scan`` and ``pmap``.
+
+    Attributes:
+      limit: an int in ``[1, 2**31 - 1]``.
+    """
 
     limit: int
 
@@ -89,11 +91,9 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
 
 
 def _under_checkify() -> bool:
-    """Whether the caller is being traced by ``jax.experimental.checkify``.
+    """Whether ``checkify.checkify`` traces the caller (a frame of its module).
 
-    ``checkify.checkify(f)`` traces ``f`` from inside its own module, so one
-    of the frames above is there. Without it a ``checkify.check`` under
-    ``jit`` fails later with an error that does not say what to do.
+    Without it a ``checkify.check`` under ``jit`` fails later, unhelpfully.
     """
     frame = sys._getframe(1)
     while frame is not None:
@@ -109,14 +109,11 @@ _CHECKIFY_FILE = os.path.join("jax", "_src", "checkify.py")
 def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) -> None:
     """Raises `DivergenceError` if the run has diverged.
 
-    On the host it reads the state (a sync point): call it where you log
-    metrics. Inside ``jit`` it adds a ``jax.experimental.checkify`` check
-    instead: wrap the step in ``checkify.checkify`` and the returned error's
-    ``throw()`` raises (or ``get()`` reports) the breach.
-
-    Without ``max_consecutive_skips`` it reads the state's sticky
-    ``diverged`` flag (set by a breach at any step of a ``lax.scan`` or any
-    ``vmap``/``pmap`` member); with a limit it compares ``consecutive_skips``.
+    On the host it reads the state (a sync point: call it where you log
+    metrics). Inside ``jit`` it adds a ``jax.experimental.checkify`` check:
+    the error of ``checkify.checkify(step)`` raises it (``throw()``). It reads
+    the sticky ``diverged`` flag (`jls.hooks.Divergence`), or with a limit
+    compares ``consecutive_skips``.
 
     Args:
       opt_state: an optimizer state containing a `LossScaleState` (batched

@@ -1,38 +1,9 @@
 """The seam: hooks the step consults, and the transformation's state.
 
-Every optional feature of a step is a `Hook`, each in a module of its own
-(`jls.hooks` lists them), and so is any veto a user writes. The step
-(`jls._core`) knows hooks only through this class, so adding one never grows
-it. A step, inside ``jit``:
-
-1. The check decides whether the gradients are finite (and measures their
-   norm if a hook asked for it); every replica agrees.
-2. Each hook's `Hook.veto` may skip the step (a spike, a loss above a limit);
-   the vetoes are agreed across replicas in one collective. A hook whose
-   veto ``holds_scale`` also leaves the scale rule where it was. Each hook's
-   `Hook.gradient_factor` may shrink the step instead (clipping a spike): a
-   scalar the unscaled gradients are multiplied by, in the same pass that
-   unscales them.
-3. The update is applied or skipped, and the scale rule advances. A hook
-   that reads the updates (`Hook.read_updates`: `jls.hooks.Stagnation`) reads
-   them beside the update, on the steps its `Hook.reads_updates` says.
-4. Each hook's `Hook.update` records what it keeps (statistics, flags).
-
-A user's own veto, in a few lines::
-
-    class SkipHighLoss(jls.hooks.Hook):
-        name = "skip_high_loss"
-        needs_loss = True
-
-        def __init__(self, limit):
-            self.limit = limit
-
-        def veto(self, state, info):
-            return info.loss > self.limit
-
-    tx = jls.loss_scaling(optax.adam(1e-3), hooks=[SkipHighLoss(10.0)])
-
-(`jls.train_step` passes the loss; with ``tx.update`` pass ``loss=``.)
+Every optional feature of a step is a `Hook` (`jls.hooks` lists them), and
+so is a veto of a user's own; the step (`jls._core`, which says when each
+method is called) knows hooks only through this class, so adding one never
+grows it.
 """
 
 from __future__ import annotations
@@ -55,8 +26,7 @@ class LossScalingState(NamedTuple):
       loss_scale: the `jls.LossScaleState` (scale and counters).
       inner_state: the wrapped optimizer's state; bitwise unchanged by a
         skipped step.
-      hooks: each hook's state, by the hook's name; a built-in hook's state
-        is a NamedTuple whose ``metrics()`` `jls.metrics` reports.
+      hooks: each hook's state, by the hook's name.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -96,41 +66,21 @@ class StepInfo(NamedTuple):
       grads: the scaled gradients, as given to the step.
       scale: the float32 scale they were scaled with.
       finite: whether they are all finite and the scale was in range.
-      norm: the global norm of the unscaled gradients (float32), when a hook
-        has ``needs_norm``; else ``None``.
-      loss: the unscaled loss (float32; the replicas' mean), when given
-        (``loss=``, or by `jls.train_step`); else ``None``.
-      applied: in `Hook.update`, whether the update was applied; ``None`` in
-        `Hook.veto`.
-      loss_scale: in `Hook.update`, the `jls.LossScaleState` after the step;
-        ``None`` in `Hook.veto`.
+      norm: the unscaled gradients' global norm (float32) if a hook has
+        ``needs_norm``, else ``None``.
+      loss: the unscaled loss (float32, the replicas' mean) if given
+        (``loss=``, `jls.train_step`), else ``None``.
+      applied: whether the update was applied (``None`` in `Hook.veto`).
+      loss_scale: the `jls.LossScaleState` after the step (``None`` in
+        `Hook.veto`).
       any_replica: reduces a list of scalar (or per-leaf) bools over the
-        replicas: true where any replica's is. For a hook's own values
-        computed from each replica's gradients.
+        replicas: true where any replica's is.
       same_on_replicas: whether a list of float32 scalars is bitwise equal
-        on every replica of ``axis_name`` (``True`` without one), or of the
-        axes given as its second argument.
-      axis_name: the transformation's ``axis_name``, a tuple (empty without
-        one): the axes a hook's own collectives reduce over.
-      reads: in `Hook.update`, what the hooks read of this step's updates,
-        by name (`Hook.read_updates`; zeros of its types on a step that
-        read nothing, and not applied values on a skipped step: check
-        ``applied``). ``None`` in `Hook.veto`.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jls
-      >>> class Seen(jls.hooks.Hook):  # records the latest norm and whether applied
-      ...     name = "seen"
-      ...     needs_norm = True
-      ...     def init(self, params):
-      ...         return (jnp.float32(0), jnp.bool_(False))
-      ...     def update(self, state, info, vetoed):
-      ...         return (info.norm, info.applied)
-      >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.no_scale(), hooks=[Seen()])
-      >>> params = {"w": jnp.ones(4)}
-      >>> _, state = tx.update({"w": jnp.full(4, 0.5)}, tx.init(params), params)
-      >>> float(state.hooks["seen"][0]), bool(state.hooks["seen"][1])
-      (1.0, True)
+        on every replica of ``axis_name``, or of the axes given second.
+      axis_name: the transformation's ``axis_name``, a tuple (maybe empty).
+      reads: what the hooks read of the updates, by name
+        (`Hook.read_updates`; zeros on a skipped step; ``None`` in
+        `Hook.veto`).
     """
 
     grads: Any
@@ -151,23 +101,19 @@ class StepInfo(NamedTuple):
 class Hook:
     """A veto or a statistic the step consults; override what you need.
 
-    Subclasses set ``name`` (the key of the hook's state, unique among a
-    transformation's hooks) and the flags they need; every method has a
-    default that does nothing. Hooks are configuration: make them immutable
-    (a frozen dataclass, say), so that a transformation is too. What
-    `jls.metrics` reports of a hook is its state's: a state that is a
-    NamedTuple with a ``metrics(self)`` method, as every built-in hook's.
+    Subclasses set ``name`` and the flags they need; every method's default
+    does nothing. Make hooks immutable (a frozen dataclass), as
+    configuration. `jls.metrics` reports a state that is a NamedTuple with
+    a ``metrics(self)`` method, as every built-in hook's is.
 
     Attributes:
-      name: the key of this hook's state in the transformation's state.
-      needs_norm: the step must measure the gradients' norm (the check is
-        then the sum-of-squares check; no second pass).
+      name: the key of this hook's state, unique among the hooks.
+      needs_norm: the step must measure the gradients' norm (in the check's
+        own pass).
       needs_loss: every step must be given ``loss=`` (the unscaled loss).
-      reads_loss: the hook reads the loss when the step has it (``loss=``,
-        or `jls.train_step`), and works without it.
-      holds_scale: a step this hook skips leaves the scale rule where it was
-        (a non-finite loss says nothing about the scale); otherwise the rule
-        advances as for any finite step.
+      reads_loss: the hook reads the loss when the step has it.
+      holds_scale: a step this hook skips leaves the scale rule where it was;
+        otherwise the rule advances as for any finite step.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -205,17 +151,13 @@ class Hook:
     def check(self, context: HookContext) -> None:
         """Raises if this hook cannot work with the rest of the transformation.
 
-        Called once, when the transformation is made (e.g. a hook that needs
-        an ``axis_name``, or a donating step). The default accepts anything.
+        Called once, when the transformation is made (a hook that needs an
+        ``axis_name``, say). The default accepts anything.
         """
         del context
 
     def init(self, params: Any) -> Any:
-        """The hook's state before the first step (a pytree of arrays).
-
-        A NamedTuple with a ``metrics(self) -> dict`` method is reported by
-        `jls.metrics`; any other state is kept but not reported.
-        """
+        """The hook's state before the first step (a pytree of arrays)."""
         del params
         return ()
 
@@ -227,11 +169,8 @@ class Hook:
     def gradient_factor(self, state: Any, info: StepInfo) -> jax.Array | None:
         """A float32 scalar in ``[0, 1]`` the unscaled gradients are multiplied by.
 
-        ``None`` (the default): no opinion. The step multiplies the factors
-        of every hook into the unscaling, so shrinking the gradients (a
-        clipped spike) costs no pass over them. Compute it from values every
-        replica agrees on (``info.norm``, ``info.loss``, the hook's own state)
-        so that every replica applies the same update.
+        ``None``: no opinion. Applied within the unscaling (no extra pass);
+        compute it from values the replicas agree on (``info``, the state).
         """
         del state, info
         return None
@@ -239,11 +178,9 @@ class Hook:
     def reads_updates(self, state: Any) -> Any:
         """Whether to read this step's updates (`read_updates`).
 
-        ``None`` (the default): never; ``True``: every step, inline with the
-        update; a traced scalar bool: the steps it is true on, which a hook
-        that samples (one step in ``n``) says from its state. The step then
-        reads inside a conditional of its own, so the steps between compute
-        nothing (the conditional holds what it reads, the updates, in memory).
+        ``None``: never; ``True``: every step, inline; a traced bool: the
+        steps it is true on, read inside a ``lax.cond`` (which holds the
+        updates in memory).
         """
         del state
         return None
@@ -251,16 +188,10 @@ class Hook:
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """What the hook reads of the updates (a pytree of arrays).
 
-        Computed beside the update, on every step `reads_updates` asks (on
-        the fused path the updates are never a tree in memory unless a read
-        holds them): ``updates`` are
-        the inner optimizer's unscaled updates, ``new_params`` the
-        parameters they make (``optax.apply_updates``; ``None`` for the
-        leaves the step does not update). The parameters before the step
-        are not offered: reading them beside their in-place update makes
-        XLA copy them. `update` gets the result as ``info.reads[name]``
-        (zeros of its types on a skipped step). A hook that reads a part of
-        each leaf (`jls.hooks.Stagnation`) slices it here.
+        ``updates`` are the inner optimizer's, ``new_params`` the parameters
+        they make (``None`` for leaves not updated); the old parameters are
+        not offered (reading them beside their in-place update makes XLA
+        copy them). `update` gets the result as ``info.reads[name]``.
         """
         del state, new_params, updates
         return ()
@@ -274,9 +205,8 @@ class Hook:
 def hook_metrics(hooks: dict[str, Any]) -> dict[str, Any]:
     """What each hook's state reports: its ``metrics()``, where it has one.
 
-    A state without a ``metrics`` method (a user hook's plain arrays) reports
-    nothing. Two states reporting the same key are refused: each key must say
-    one thing.
+    Raises:
+      ValueError: if two states report the same key.
     """
     out: dict[str, Any] = {}
     for name, state in hooks.items():
@@ -299,10 +229,8 @@ def read_hooks_updates(
 ) -> dict[str, Any]:
     """Each reading hook's `Hook.read_updates`, by name, on the steps it asks.
 
-    A hook that reads every step (``reads_updates`` is ``True``) reads
-    inline; one that samples reads inside a ``lax.cond`` of its own whose
-    other branch gives zeros, so the steps between compute nothing. The
-    step selects the reads away on a skipped step (`jls._core.recorded`).
+    Inline for ``True``, else inside a ``lax.cond`` whose other branch gives
+    zeros; a skipped step's reads are zeroed by `jls._core.recorded`.
 
     Raises:
       TypeError: at trace time, where a hook reads and ``params`` is ``None``.

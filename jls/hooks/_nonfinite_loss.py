@@ -1,13 +1,4 @@
-"""A non-finite loss skips its step without throwing the scale away.
-
-When the unscaled loss itself is nan or inf, no loss scale can help, and
-backing off for it would throw the scale away. This hook, on by default,
-skips such a step (counted in ``total_skips``) and holds the rule's scale and
-counters; `jls.train_step` makes no retry for it. It acts whenever the step
-has the loss (`jls.train_step` always; ``tx.update`` and
-`jls.apply_gradients` with ``loss=``). With ``skip_nonfinite=False`` it only
-records (``skips=False``), so ``jls.metrics`` keeps the same keys.
-"""
+"""A non-finite loss skips its step without throwing the scale away."""
 
 from __future__ import annotations
 
@@ -36,8 +27,14 @@ class NonfiniteLossState(NamedTuple):
 class NonfiniteLoss(Hook):
     """Skips a step whose loss is not finite, holding the scale rule.
 
+    No loss scale helps a nan or inf loss, so backing off for it would throw
+    the scale away; the step is skipped (counted in ``total_skips``; no retry
+    in `jls.train_step`) with the scale and counters held. Always on; it acts
+    where the step has the loss (`jls.train_step`, or ``loss=``).
+
     Attributes:
-      skips: veto such a step (``False``: only record it).
+      skips: veto such a step (``False``, as with ``skip_nonfinite=False``:
+        only record it, so `jls.metrics` keeps its keys).
     """
 
     skips: bool = True

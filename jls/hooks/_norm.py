@@ -1,13 +1,4 @@
-"""The gradient-norm metric: free, from the check's own pass.
-
-``jls.loss_scaling(..., gradient_norm=True)`` adds this hook. It asks the
-step for the norm (which makes the check the sum-of-squares check of
-`jls._squares`: the same one read of the gradients, unlike computing
-``optax.tree.norm`` in the step) and records it, exact for every finite norm
-(inf past the float32 maximum). After a non-finite step it records inf, never
-the nan that a nan gradient makes of the norm: no nan reaches any state, and a
-logger still sees the step was not finite.
-"""
+"""The gradient-norm metric: free, from the check's own pass."""
 
 from __future__ import annotations
 
@@ -34,7 +25,13 @@ class GradientNormState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class GradientNorm(Hook):
-    """Records the global norm of each step's unscaled gradients."""
+    """Records ``gradient_norm``: the global norm of the unscaled gradients.
+
+    The check measures it in its own pass (a sum of squares: no second
+    read of the gradients, unlike ``optax.global_norm``), exact for
+    every finite norm; inf past the float32 maximum and after a non-finite
+    step, never nan.
+    """
 
     name = "gradient_norm"
     needs_norm = True

@@ -1,15 +1,4 @@
-"""The replica check: data-parallel replicas that forgot to average their gradients.
-
-``jls.loss_scaling(..., axis_name=..., check_replicas=True)`` adds this
-hook. ``axis_name`` makes replicas agree on the skip and the scale, not on
-the gradients: under ``pmap``, ``check_vma=False`` or a named ``vmap`` a step
-that forgets ``lax.pmean`` steps each replica with its own. The hook compares
-the first element of every floating leaf, bitwise, across the replicas (one
-small collective per axis). ``check_replicas="data"`` names the
-data-parallel axes on a mesh of several. Under ``shard_map(check_vma=True)``
-jax's types already guarantee it: nothing is compared. A non-finite step is
-not counted.
-"""
+"""The replica check: replicas that forgot to average their gradients."""
 
 from __future__ import annotations
 
@@ -53,9 +42,18 @@ class ReplicaCheckState(NamedTuple):
 class ReplicaCheck(Hook):
     """Flags finite steps whose gradients differ between replicas.
 
+    ``axis_name`` makes replicas agree on the skip and the scale, not on the
+    gradients: under ``pmap``, ``check_vma=False`` or a named ``vmap`` a step
+    that forgets ``lax.pmean`` steps each replica with its own. This compares
+    each floating leaf's first element, bitwise, across the replicas (one
+    small collective; a difference confined to other elements is missed) and
+    reports ``replicas_differ`` and ``replica_mismatches`` (vetoed finite
+    steps count too). Under ``shard_map(check_vma=True)`` jax's types already
+    keep replicas equal: nothing is compared.
+
     Attributes:
-      axes: the data-parallel axes compared over; empty: the
-        transformation's ``axis_name``, which must then be one axis.
+      axes: the data-parallel axes compared over (``check_replicas="data"``
+        on a data x model mesh); empty: ``axis_name``, then one axis.
     """
 
     axes: tuple[str, ...] = ()

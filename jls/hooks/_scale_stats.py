@@ -1,35 +1,9 @@
 """What the scale does to the gradients: underflow and headroom, each step.
 
-``jls.loss_scaling(..., scale_stats=True)`` adds this hook. A too-small
-scale shows only as a worse loss: float16 flushes the small gradients to
-zero and nothing says so. Each step this records, of the scaled gradients
-as the step receives them, against the compute dtype (float16 unless told):
-
-* ``underflow_fraction``: the fraction of entries whose magnitude is below
-  the dtype's smallest normal, zeros included: the dtype holds them with
-  lost precision, or not at all.
-* ``headroom_bits``: ``log2(dtype max / max |g|)``, how many doublings of
-  the scale the largest gradient could take before it overflows; ``-inf``
-  on a step whose gradients are not finite, ``+inf`` when every gradient is
-  zero (XLA:CPU flushes float32 subnormals to zero). A complex entry counts
-  by its larger component; float64 gradients are judged in float64.
-
-Both come from one variadic reduction per leaf (the largest magnitude and
-the count of small ones together; two reductions in a process with several
-devices, `_reduce`), which XLA fuses with the gradient's producer as it
-does the check. Every replica reports the same, as for the
-gradient norm (`jls._squares`): a leaf sharded over a ``shard_map`` axis has
-its counts added over it; where jax records no varying axes (``pmap``,
-``check_vma=False``) a leaf whose statistics differ across ``axis_name`` is
-taken as sharded (added), an equal one as replicated (kept).
-
-``jls.hooks.ScaleStats(every=n)`` measures one step in ``n`` (the first, then
-every ``n``-th call) inside a ``lax.cond``, and holds the last measurement
-in between: the statistics' second read of the gradients is paid on those
-steps only (under ``vmap`` with a batched state both branches run). The
-conditional reads the gradients as one of its operands, so XLA may hold
-them in memory where the step without it fuses them into the update
-(``bench_scale_stats.py --steps 8``; ``docs/performance.md``).
+Both statistics come from one variadic reduction per leaf, which XLA fuses
+with the gradient's producer as it does the check. Every replica reports
+the same, as for the gradient norm (`jls._shards.global_rows`): a leaf
+sharded over an axis has its counts added over it, a replicated one not.
 """
 
 from __future__ import annotations
@@ -52,12 +26,7 @@ from jls.hooks._hooks import Hook, StepInfo
 
 
 class ScaleStatsState(NamedTuple):
-    """The latest measured step's statistics, and where the cycle stands.
-
-    ``underflow_fraction`` and ``headroom_bits`` are float32 scalars;
-    ``phase`` (int32) is the position in the cycle of ``every`` calls (0:
-    the next call measures).
-    """
+    """The latest measured statistics (float32), and ``phase`` (0: measure next)."""
 
     underflow_fraction: jax.Array
     headroom_bits: jax.Array
@@ -84,10 +53,8 @@ def _largest_and_count(x: Any, y: Any) -> tuple[Any, Any]:
 def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(max(a), sum(small))`` in one variadic reduction.
 
-    Two reductions where ``a`` may be sharded across devices
-    (`jls._finite.one_reduction_is_safe`): the partitioner gathers a sharded
-    variadic reduction's operands (12 all-gathers of the gradients on an
-    8-device mesh, ``tests/integration/scripts/stagnation_mesh.py``).
+    Two where ``a`` may be sharded (`jls._finite.one_reduction_is_safe`):
+    the partitioner would gather a sharded variadic reduction's operands.
     """
     if not one_reduction_is_safe(a):
         return jnp.max(a), jnp.sum(small, dtype=jnp.int32)
@@ -99,22 +66,28 @@ def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class ScaleStats(Hook):
-    """Records ``underflow_fraction`` and ``headroom_bits`` (see the module).
+    """Records what the scale does to the scaled gradients, in a compute dtype.
 
-    Pass it as ``jls.loss_scaling(..., scale_stats=jls.hooks.ScaleStats(...))``;
-    ``scale_stats=True`` is ``ScaleStats()``, a dtype ``ScaleStats(dtype)``.
+    A too-small scale shows only as a worse loss: float16 flushes small
+    gradients to zero and nothing says so. Each step this records
+    ``underflow_fraction``, the fraction of entries below the dtype's
+    smallest normal (zeros included), and ``headroom_bits``, ``log2(dtype
+    max / max |g|)`` (``-inf`` after a non-finite step, ``+inf`` when every
+    gradient is zero; a complex entry counts by its larger component). Pass
+    ``scale_stats=True`` (``ScaleStats()``), a dtype, or the hook.
 
     Attributes:
-      dtype: the compute dtype the gradients are judged against (a floating
-        dtype; default float16, what loss scaling is for).
-      every: measure one call in ``every`` (an int >= 1; default 1, every
-        step), holding the last measurement in between: the statistics
-        cost a second read of the gradients on the measured steps only
-        (inside a ``lax.cond``, which may hold the gradients in memory).
+      dtype: the floating dtype judged against, of at most 32 bits
+        (default float16).
+      every: measure the first call and every ``every``-th after it (an int
+        >= 1; default 1: each), holding the last measurement between: the
+        second read of the gradients is paid on those steps only, inside a
+        ``lax.cond`` (both branches run under ``vmap`` with a batched state).
+        On XLA:CPU without donation that conditional holds the gradients:
+        temporaries as large as they are.
 
-    With the off switch (``jls.no_scale(skip_nonfinite=False)``) the
-    statistics, like any hook but the divergence flag, take the checked
-    step: it is then no longer bitwise the plain optimizer's.
+    With the off switch (``jls.no_scale(skip_nonfinite=False)``) it makes
+    the step a checked one, no longer bitwise the plain optimizer's.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls

@@ -1,10 +1,4 @@
-"""Skipping (or clipping) steps whose gradient norm or loss spikes.
-
-As MaxText's ``skip_step_on_spikes`` and OLMo-core's skip-step optimizer,
-on the gradient norm the finite check computes anyway. A veto on top of the
-scaler's decision: a spike is dropped (counted in ``total_skips``) but the
-scale does not back off. docs/howto/spikes.md shows it at work.
-"""
+"""Skipping (or clipping) steps whose gradient norm or loss spikes."""
 
 from __future__ import annotations
 
@@ -28,25 +22,23 @@ _ACTIONS = ("skip", "clip")
 class SpikeRule(Hook):
     """Skip a step whose gradient norm (or loss) spikes; hashable, validated.
 
-    A value ``x`` (the global norm of the unscaled gradients, or the
-    ``loss=`` given to the step) is a spike when ``x > mean + threshold *
-    std`` of the applied steps before it: exponential moving averages over
-    about ``window`` steps, acting once ``warmup`` steps have fed them.
-    Skipped steps do not feed them; non-finite gradients are never a spike.
-    With ``action="clip"`` a spike is applied with its gradients multiplied
-    by ``limit / norm`` (``limit = mean + threshold * std``), and ``limit``
-    feeds the statistics (ZClip, arXiv 2504.02507). ``patience`` spikes in a
-    row (a new level) restart the statistics, as do statistics that are not
-    finite or negative.
+    As MaxText's ``skip_step_on_spikes`` and OLMo-core's skip-step optimizer,
+    on the norm the check computes anyway. A value ``x`` (the unscaled
+    gradients' global norm, or the ``loss=``) is a spike when ``x > limit =
+    mean + threshold * std`` of exponential moving averages over about
+    ``window`` applied steps, once ``warmup`` steps fed them. A spike is
+    skipped (counted in ``total_skips``; the scale does not back off) or, with
+    ``action="clip"``, applied scaled by ``limit / norm`` (ZClip, arXiv
+    2504.02507). Non-finite gradients are never a spike. ``patience`` spikes
+    in a row restart the statistics. ``docs/howto/spikes.md`` shows it at work.
 
     Attributes:
       threshold: how many standard deviations above the mean make a spike;
         ``> 0``. Default 6 (OLMo-core's).
       warmup: applied steps before the rule acts, ``>= 2``.
       window: the statistics' horizon in steps, ``>= 1``.
-      watch: ``"norm"`` (default), ``"loss"`` or ``"both"``. Watching the
-        loss needs ``loss=`` (the unscaled loss, a scalar) on every step.
-        With ``axis_name``, the replicas' mean loss is watched.
+      watch: ``"norm"`` (default), ``"loss"`` or ``"both"``; the loss needs
+        ``loss=`` on every step (the replicas' mean is watched).
       patience: spikes in a row after which the statistics restart, ``>= 1``.
       action: ``"skip"`` (default) drops a spike; ``"clip"`` applies it
         clipped to ``limit`` (needs ``watch="norm"``).
@@ -162,17 +154,10 @@ class SpikeRule(Hook):
 
 
 class SpikeState(NamedTuple):
-    """The spike rule's statistics: array leaves of fixed dtype.
+    """The spike rule's statistics (``count``, norm and loss mean and variance).
 
-    Attributes:
-      count: int32, applied steps that fed the statistics (saturates).
-      norm_mean, norm_var: float32, the gradient norm's running mean and
-        variance.
-      loss_mean, loss_var: float32, the loss's.
-      spike: bool, whether the latest step was skipped as a spike.
-      total_spikes: int32, steps skipped as spikes so far (saturates).
-      consecutive_spikes: int32, spikes in a row, ending with the latest
-        (the statistics restart at ``patience``).
+    ``spike``: the latest step was a spike; ``total_spikes``, and
+    ``consecutive_spikes`` (the statistics restart at ``patience``).
     """
 
     count: jax.Array
@@ -215,11 +200,10 @@ def _restarted(state: SpikeState) -> SpikeState:
 
 
 def sanitized(state: SpikeState) -> SpikeState:
-    """``state``, or a fresh start of its statistics if they cannot be right.
+    """``state``, or a fresh start of statistics that cannot be right.
 
-    A state can arrive from a checkpoint or a user's hand: a mean or
-    variance that is not finite, a negative variance or count would switch
-    the rule off for good (``x > nan`` is False). Counters below 0 read as 0.
+    A non-finite mean or variance, or a negative one or count (from a
+    checkpoint, say) would switch the rule off for good (``x > nan``).
     """
     ok = state.count >= 0
     for x in (state.norm_mean, state.loss_mean):
@@ -267,14 +251,10 @@ def clip_factor(
 def is_spike(
     rule: SpikeRule, state: SpikeState, norm: Any, loss: Any, finite: Any = None
 ) -> jax.Array:
-    """Whether this step is a spike.
+    """Whether this step is a spike: an outlier once ``warmup`` steps fed the rule.
 
-    An outlier once ``warmup`` applied steps fed the statistics. A
-    non-finite norm is the finite check's business and a non-finite loss the
-    `jls.hooks._nonfinite_loss` hook's (it skips the step and holds the scale),
-    not spikes, unless the check found the gradients finite (``finite``):
-    then their norm passed the float32 maximum, and that is a spike.
-    ``state`` is `sanitized` first.
+    A non-finite norm is no spike (the check's business) unless the check
+    found the gradients ``finite``: the norm passed the float32 maximum.
     """
     state = sanitized(state)
     spike = jnp.asarray(False)
@@ -305,12 +285,7 @@ def advance(
     norm: Any,
     loss: Any,
 ) -> SpikeState:
-    """The statistics after a step.
-
-    Only an applied step whose watched values are finite feeds them (with
-    ``skip_nonfinite=False`` a non-finite step is applied, and would poison
-    them for good). The ``patience``-th spike in a row restarts them.
-    """
+    """The statistics after a step, fed by applied steps with finite values."""
     state = sanitized(state)
     count = jnp.asarray(optax.safe_increment(state.count))
     alpha = jnp.maximum(1 / count.astype(jnp.float32), jnp.float32(1 / rule.window))
