@@ -30,8 +30,7 @@ class Decision(NamedTuple):
     Attributes:
       finite: the unscaled gradients are all finite and the scale is in range.
       apply: the update is applied (before the hooks' vetoes).
-      magnitude: float32, the gradients' measured range (the largest
-        root-mean-square over the squares check's reductions, scaled).
+      magnitude: float32, the scaled gradients' largest root-mean-square.
       norm: float32, the global norm of the unscaled gradients.
     """
 

@@ -251,12 +251,10 @@ def dynamic_scale(
     Args:
       init_scale: the first step's scale, in ``[min_scale, max_scale]``.
       growth_factor: multiplies the scale on growth; ``>= 1``.
-      backoff_factor: multiplies the scale on back-off; in ``(0, 1]``.
-        Default 0.5.
+      backoff_factor: multiplies the scale on back-off; in ``(0, 1]`` (0.5).
       growth_interval: the scale grows on this many consecutive finite steps.
       first_growth_interval: the first growth after the start or a non-finite
-        step comes on this many finite steps (default and minimum
-        ``growth_interval``).
+        step comes on this many finite steps (at least ``growth_interval``).
       init_growth_count: the growth count before the first step (to resume).
       saturate_growth: a growth past ``max_scale`` lands on it instead of
         being skipped.
@@ -269,10 +267,9 @@ def dynamic_scale(
         with ``backoff_interval > 1``.
       consecutive_hysteresis: any finite step restores the hysteresis.
       min_scale: the floor of back-off (may be below 1).
-      max_scale: the ceiling of growth. Default 2**126, the largest power of
-        two whose reciprocal is a normal float32 (above it, two factors).
-      skip_nonfinite: drop a step whose gradients are not finite (default);
-        ``False`` applies it, counted in ``consecutive_nonfinite``.
+      max_scale: the ceiling of growth; above 2**126 unscaling takes two
+        factors.
+      skip_nonfinite: drop a step whose gradients are not finite (default).
 
     Returns:
       A `LossScaler`.

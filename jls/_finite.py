@@ -1,18 +1,12 @@
 """The all-finite check: one pass over the gradients, exact, at memory speed.
 
-* float32, bfloat16, float64 and complex leaves: one ``isfinite`` of
-  ``sum(|x| * 2**-k)`` with ``2**k >= 256 * leaf_size``, so a sum of finite
-  values cannot overflow. Magnitudes cannot cancel (a plain sum can, once
-  the compiler contracts its producer into an FMA) and rounding is
-  monotone, so an element that rounds to inf makes the sum inf. No
-  ``jnp.max``: XLA:CPU drops nan from it. Leaves of one size get distinct
-  powers (`TWINS`), which XLA:CPU would otherwise share wrongly.
-* Leaves of at most `SMALL_LEAF` elements share one reduction per compute
-  dtype, over concatenations of at most `SMALL_GROUP` elements.
-* float16, fp8 and fp4 leaves: ``jnp.isfinite(x).all()`` in their format.
-
-``benchmarks/bench_all_finite.py`` measures each choice; docs/guarantees.md
-states the promise.
+float32, bfloat16, float64 and complex leaves: one ``isfinite`` of
+``sum(|x| * 2**-k)``, ``2**k >= 256 * leaf_size`` so that finite values
+cannot overflow it. Magnitudes cannot cancel (a plain sum can, under FMA
+contraction) and rounding is monotone: an element that rounds to inf makes
+the sum inf. (``jnp.max`` drops nan on XLA:CPU.) Small leaves share one
+reduction per dtype (`SMALL_LEAF`, `SMALL_GROUP`). float16, fp8 and fp4
+leaves: ``jnp.isfinite(x).all()``. docs/guarantees.md states the promise.
 """
 
 from __future__ import annotations
@@ -29,6 +23,8 @@ from jls._scaling import compute_dtype, unscale_tree
 _NATIVE_CHECK_MAX_BITS = 16  # float16 and fp8: test in the leaf's own format
 SMALL_LEAF = 2**14  # leaves this small share one reduction
 SMALL_GROUP = 2**17  # elements the small leaves share a reduction over (a temporary)
+# XLA:CPU shared one constant's broadcast between same-size leaves and read it
+# as an array: such leaves get distinct shrinks 2**-(k + j).
 TWINS = 64  # distinct shrinks for leaves of one size: 2**-(31 + 8 + 63) is normal
 
 

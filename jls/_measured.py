@@ -208,14 +208,12 @@ def measured_scale(
     Args:
       margin: the headroom, ``>= 1``, between the scaled gradients' largest
         root-mean-square and ``dtype``'s maximum.
-      history: finite steps after which the headroom an overflow added is
-        halved again.
+      history: finite steps that halve the headroom an overflow added.
       dtype: the compute dtype whose maximum the scaled gradients are kept
         below (float16; an fp8 type for fp8 gradients).
       init_scale: the first step's scale, a power of two.
       max_growth: the most the scale grows in one step, a power of two ``>= 1``.
-      backoff_factor: multiplies the scale on a non-finite step; a power of
-        two in (0, 1].
+      backoff_factor: the back-off, a power of two in (0, 1].
       min_scale: the floor, a power of two.
       max_scale: the cap. Default 2**126 (one-factor unscaling).
       skip_nonfinite: drop a step whose gradients are not finite (default).
@@ -225,8 +223,7 @@ def measured_scale(
 
     Raises:
       TypeError: if an argument has the wrong type (the message names it).
-      ValueError: if an argument is out of range or not a power of two where
-        one is needed (the message names it).
+      ValueError: if an argument is out of range (the message names it).
 
     Example:
       >>> import jax.numpy as jnp, jls

@@ -124,12 +124,10 @@ class LossScaler:
           state: the current `LossScaleState`.
           grads_finite: a scalar bool, whether this step's gradients were all
             finite.
-          applied: a scalar bool, whether the step's update was applied (it drives
-            the skip counters). Default: from ``grads_finite``, ``skip_nonfinite``
-            and the range.
-          magnitude: a float32 scalar, the largest root-mean-square of the step's
-            scaled gradients, which the measured rule follows (without it, it
-            holds the scale on a finite step); the dynamic rule ignores it.
+          applied: a scalar bool, whether the step's update was applied (the
+            skip counters); by default, from ``grads_finite``.
+          magnitude: a float32 scalar, the largest root-mean-square of the
+            step's scaled gradients, which the measured rule follows.
           retries: how many times this step's gradients were recomputed (`retry`).
 
         Returns:
@@ -179,11 +177,7 @@ class LossScaler:
         )
 
     def retry(self, state: LossScaleState, attempt: ArrayLike) -> LossScaleState:
-        """The state for retry number ``attempt`` (from 1) after an overflow.
-
-        The rule's next state for a non-finite step, less the skip counters: a
-        retry is an attempt, not a step.
-        """
+        """Retry ``attempt``'s state: a non-finite step's, the skip counters kept."""
         attempt = jnp.asarray(attempt, jnp.int32)
         # The overflow it follows was that of attempt ``attempt - 1``.
         nxt = self.adjust(state, jnp.asarray(False), retries=attempt - 1)
@@ -195,11 +189,7 @@ class LossScaler:
         )
 
     def hold(self, state: LossScaleState, grads_finite: ArrayLike) -> LossScaleState:
-        """The state after a step skipped without moving the rule (a hook's veto).
-
-        The scale, growth and back-off counts and headroom stay; the step counts
-        as skipped.
-        """
+        """The state after a step skipped without moving the rule (a hook's veto)."""
         state = check_state(state)
         finite = bool_scalar("grads_finite", grads_finite)
         i32 = jnp.int32

@@ -36,14 +36,11 @@ class Measured(NamedTuple):
     """What the squares check reads off the scaled gradients in its one pass.
 
     Attributes:
-      finite: scalar bool, whether every value is finite (exact); not yet
-        agreed across replicas.
+      finite: scalar bool, whether every value is finite (not yet agreed).
       magnitude: float32 scalar, the largest root-mean-square over the check's
         reductions; 0 for a tree with nothing to check.
-      low: float32 scalar, the sum of the squares of every scaled value
-        (inf when it overflows float32).
-      high: float32 scalar, the same sum in units of ``2**-168``: finite
-        whenever every value is.
+      low: float32 scalar, the sum of the squares (inf past float32's range).
+      high: float32 scalar, the same sum in units of ``2**-168``.
     """
 
     finite: jax.Array

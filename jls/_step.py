@@ -33,16 +33,15 @@ class StepOutput(NamedTuple):
 
     Attributes:
       loss: the unscaled loss (float32; the mean over micro-batches).
-      aux: ``loss_fn``'s auxiliary output (stacked over micro-batches), or
-        ``None`` without ``has_aux``.
+      aux: ``loss_fn``'s auxiliary output (stacked over micro-batches).
       nonfinite: whether the step's gradients (after any retries) were not
         all finite (or its scale was outside the scaler's range).
       skipped: whether the step's update was dropped.
       loss_scale: the scale the step's (last) gradients were computed with.
       next_loss_scale: the scale for the next step.
       retries: how many times the gradients were recomputed (int32).
-      nonfinite_loss: whether the loss itself was not finite: the step was
-        skipped with the scale held, and not retried (no scale helps).
+      nonfinite_loss: whether the loss itself was not finite (the step was
+        skipped with the scale held).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls

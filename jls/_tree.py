@@ -50,8 +50,7 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
 
     Args:
       opt_state: an optimizer state, or a `LossScaleState` itself.
-      batched: accept a state stacked by ``vmap`` or ``pmap``; by default every
-        field is a scalar.
+      batched: accept a state stacked by ``vmap`` or ``pmap``.
 
     Returns:
       The `LossScaleState`.

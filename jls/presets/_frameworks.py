@@ -65,10 +65,8 @@ def paddle(
     """Paddle's ``paddle.amp.GradScaler`` (and the older ``AmpScaler``).
 
     The defaults are current ``GradScaler``'s (``AmpScaler`` used
-    ``init_loss_scaling=2**15``, ``incr_every_n_steps=1000``; its documented
-    ``decr_every_n_nan_or_inf=2`` is not its signature's 1: pass yours). A
-    finite step clears ``decr_count``: Paddle backs off once every
-    ``decr_every_n_nan_or_inf`` consecutive non-finite steps.
+    ``init_loss_scaling=2**15``, ``incr_every_n_steps=1000``, and documents
+    ``decr_every_n_nan_or_inf=2`` against its signature's 1: pass yours).
 
     The dygraph scaler has no floor and no growth guard, so its scale can reach
     0 or inf and stay; jls keeps it in ``[min_scale, max_scale]`` (the static

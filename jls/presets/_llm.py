@@ -62,11 +62,9 @@ def deepspeed(
 ) -> LossScaler:
     """DeepSpeed's ``DynamicLossScaler`` (and its fp16 config block).
 
-    ``init_scale`` (default 2**32) or the config's ``initial_scale_power``;
-    ``delayed_shift`` or the config's ``hysteresis`` (default 1). The first
-    growth after the start or an overflow comes on the ``scale_window + 1``-th
-    finite step, later ones every ``scale_window``.
-
+    ``init_scale`` or ``initial_scale_power``, ``delayed_shift`` or
+    ``hysteresis``: the class's or the config's names. The first growth after
+    the start or an overflow comes on the ``scale_window + 1``-th finite step.
     DeepSpeed's growth is unguarded (its scale can reach inf); jls stops at
     ``max_scale``. ``raise_error_at_min_scale`` is validated, otherwise unused:
     to stop the run, pass ``max_consecutive_skips`` to `jls.loss_scaling` and

@@ -179,9 +179,8 @@ def to_state_dict(
     """The loss scaler's ``state_dict()`` that ``framework`` would write.
 
     Args:
-      scaler: the run's scaler: a dynamic rule the framework's dict can hold
-        (torch has no hysteresis, Megatron no ``backoff_interval``, ...);
-        anything else is refused, naming it. Its config fills the config keys.
+      scaler: the run's scaler, a dynamic rule the framework's dict can hold
+        (torch has no hysteresis, ...); anything else is refused, naming it.
       opt_state: an optimizer state containing the run's `LossScaleState`,
         or the `LossScaleState`.
       framework: ``"torch"`` (``torch.amp.GradScaler``'s keys as Python
@@ -220,12 +219,11 @@ def from_state_dict(
 
     Args:
       state_dict: the framework's ``state_dict()`` (see `to_state_dict`); an
-        empty one gives the disabled torch or Paddle preset.
+        empty one, or ``enabled=False`` (``enable=False``), gives the disabled
+        torch (Paddle) preset.
       framework: ``"torch"``, ``"paddle"`` or ``"megatron"``.
-      **kwargs: further arguments of that preset, e.g. ``max_scale``; with
-        ``enabled=False`` (torch) or ``enable=False`` (Paddle) the dict is
-        ignored, as theirs do. Megatron's dict holds no config: give the
-        run's (``growth_interval``, ``hysteresis``, ...).
+      **kwargs: further arguments of that preset, e.g. ``max_scale``;
+        Megatron's dict holds no config: give the run's (``hysteresis``, ...).
 
     Returns:
       ``(scaler, state)``: the dict's scale, config and counters.
