@@ -236,9 +236,7 @@ def unscale(tree: Any, opt_state: Any) -> Any:
     """Divides every floating leaf by the loss scale, keeping its dtype.
 
     Multiplies by the reciprocal in at least float32 (exact for power-of-two
-    scales, else within the last bit), also above 2**126; non-floating leaves
-    pass through. `loss_scaling` does this for you: use it in a hand-written
-    step.
+    scales); non-floating leaves pass through. For a hand-written step.
 
     Args:
       tree: a pytree of (scaled) gradients.

@@ -45,9 +45,6 @@ def find_one(tree: Any, kind: type, what: str, hint: str) -> Any:
 def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState:
     """Finds the one `LossScaleState` inside a (nested) optax state.
 
-    A state where another transformation runs around ``loss_scaling`` is
-    refused, naming the fix (docs/howto/composing.md).
-
     Args:
       opt_state: an optimizer state, or a `LossScaleState` itself.
       batched: accept a state stacked by ``vmap`` or ``pmap``.
@@ -57,7 +54,8 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
 
     Raises:
       ValueError: if ``opt_state`` holds no `LossScaleState`, or more than one,
-        or holds it below a transformation that hides jls from its caller.
+        or holds it below a transformation that hides jls from its caller
+        (the message names the fix; docs/howto/composing.md).
 
     Warns:
       UserWarning: if it holds it below another transformation's state.
