@@ -2,9 +2,7 @@
 
 `jls.loss_scaling` must see every gradient first; a transformation whose
 state holds jls's runs around it and quietly trains wrongly. `check_path`
-judges each container on the path to jls's state: plain containers and
-known-safe wrappers pass, known-wrong compositions are refused naming the
-fix, others warned about (docs/howto/composing.md lists each case).
+judges the path to jls's state (docs/howto/composing.md lists each case).
 """
 
 from __future__ import annotations

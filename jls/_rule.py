@@ -53,6 +53,11 @@ class LossScaler:
       min_scale: the scale never backs off below this.
       max_scale: the scale never grows above this.
       skip_nonfinite: whether a step with non-finite gradients is dropped.
+
+    Example:
+      >>> import jls
+      >>> jls.dynamic_scale(init_scale=8.0).init_scale
+      8.0
     """
 
     init_scale: float

@@ -1,11 +1,8 @@
 """One gradient in shards: per-device statistics made global, on any mesh.
 
-A reduction over a gradient sharded across devices sees one shard, and its
-row must be added over the axes it is sharded on; a replicated gradient's
-row must be kept. Where jax records varying axes (``shard_map(check_vma=
-True)``) rows are added over exactly those; elsewhere (``pmap``, a named
-``vmap``, ``check_vma=False``) a row bitwise equal on every member of an
-axis reads as a replica's, any other as a shard's.
+A sharded gradient's rows add over its shards; a replicated one's are kept.
+Where jax records no varying axes (``pmap``, ``check_vma=False``), a row
+bitwise equal on every member of an axis reads as a replica's.
 """
 
 from __future__ import annotations
