@@ -2,12 +2,8 @@
 
 Wrap any optax optimizer with `loss_scaling`, multiply the loss by the
 current scale with `scale_loss`, and jls unscales, checks, skips and adjusts
-inside ``jit``. `apply_gradients` is the fused path and `train_step` a whole
-step built on it; the rules are `dynamic_scale`, `measured_scale`,
-`static_scale`, `no_scale` and the `presets`. Three namespaces hold the
-rest: `jls.hooks` (every optional feature, and the seam for a veto of your
-own), `jls.precision` (what computes in which dtype, and low-precision
-parameters) and `jls.presets` (other frameworks' rules). ``docs/design.md``
+inside ``jit``. Optional features are in `jls.hooks`, precision in
+`jls.precision`, other frameworks' rules in `jls.presets`; docs/design.md
 says why each public name exists.
 """
 

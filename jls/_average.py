@@ -1,14 +1,9 @@
 """Data-parallel averaging that gives the single-device step on every mesh.
 
-``jls.train_step(..., average_over=axes)`` wants the full-batch gradient one
-device would compute. Under ``shard_map(check_vma=True)`` jax already sums
-the gradient of a parameter invariant over an axis, so a plain ``lax.pmean``
-would leave the sum: `local` first marks such parameters varying, so each
-replica's gradients are its own, and `mean` averages them once (in float32
-at least), dividing those that come back summed by the axis size. Where jax
-records no varying axes (``pmap``, ``check_vma=False``), every gradient is a
-replica's own; a parameter sharded over an averaged axis then needs
-``check_vma=True`` or ``jit``. docs/parallelism.md has the table of meshes.
+Under ``shard_map(check_vma=True)`` jax already sums the gradient of a
+parameter invariant over an axis, so `local` marks such parameters varying
+and `mean` averages once (in float32 at least), dividing the summed ones by
+the axis size. docs/parallelism.md has the table of meshes.
 """
 
 from __future__ import annotations
@@ -26,9 +21,8 @@ from jls._scaling import compute_dtype
 def local(trainable: Any, axes: tuple[str, ...]) -> tuple[Any, Any]:
     """``trainable`` marked varying over ``axes``, and the axes each was already.
 
-    Returns ``(local_params, summed)``: ``summed`` holds, per leaf, the axes
-    of ``axes`` its gradient comes back summed over (it varied over them
-    before), as a tuple; empty where jax records no varying axes.
+    Returns ``(local_params, summed)``: per leaf, the axes its gradient comes
+    back summed over.
     """
     if not axes or not tracked_in(trainable, axes):
         return trainable, jax.tree.map(lambda x: (), trainable)
@@ -42,11 +36,7 @@ def local(trainable: Any, axes: tuple[str, ...]) -> tuple[Any, Any]:
 
 
 def mean(grads: Any, loss: jax.Array, axes: tuple[str, ...], summed: Any) -> Any:
-    """``(grads, loss)`` averaged over ``axes``: each in its own dtype.
-
-    A gradient's sum over the axes it does not hold summed yet is taken in
-    float32 at least; then the whole is divided by the number of replicas.
-    """
+    """``(grads, loss)`` averaged over ``axes`` in float32 at least, in their dtypes."""
 
     def leaf(g: jax.Array, done: tuple[str, ...]) -> jax.Array:
         wide = g.astype(compute_dtype(g.dtype))

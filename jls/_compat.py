@@ -1,18 +1,9 @@
 """Where jax's API moved between the floor (0.8.0) and the newest release.
 
-The one module that knows jax versions; everything else calls these. Each
-is tested on the floor and on the newest jax (CI runs the suite on both).
-
-* Which ``shard_map`` axes a value varies over: ``jax.typeof(x).vma`` up to
-  jax 0.9, ``.manual_axis_type.varying`` after.
-* Marking a value as varying over axes: ``lax.pvary`` (jax 0.8),
-  ``lax.pcast(..., to="varying")`` (later).
-* Whether jax records varying axes at all (``shard_map`` with its default
-  ``check_vma=True``; not ``check_vma=False``, ``pmap`` or a named ``vmap``):
-  no public flag says so, so it is probed: a value marked varying over a
-  bound axis records that axis only where jax tracks them.
-
-jaxprs are read and run again in `jls.precision` only (its ``_interpret``).
+The one module that knows jax versions, tested on both: the ``shard_map``
+axes a value varies over (``vma`` or ``manual_axis_type.varying``), marking
+it varying (``lax.pvary`` or ``lax.pcast``), and whether jax records
+varying axes at all (probed: no public flag says so).
 """
 
 from __future__ import annotations
@@ -51,9 +42,8 @@ def pvary(x: Any, axes: Any) -> Any:
 def tracks_varying_axes(axes: tuple[str, ...]) -> bool:
     """Whether jax records which of the bound ``axes`` values vary over.
 
-    True inside ``shard_map(..., check_vma=True)`` (the default); False
-    under ``check_vma=False``, ``pmap``, a named ``vmap`` and without
-    ``axes``. Trace-time only: the probe is a constant that is never used.
+    True inside ``shard_map(..., check_vma=True)``; False under
+    ``check_vma=False``, ``pmap``, a named ``vmap`` and without ``axes``.
     """
     if not axes:
         return False

@@ -1,16 +1,8 @@
 """Compositions that hide jls from its caller: refused at trace time, by path.
 
 `jls.loss_scaling` must see every gradient first; a transformation whose
-state holds jls's state runs around it and quietly does the wrong thing
-(clips scaled gradients, steps other parameters with them, accumulates a
-nan for good). Every lookup of jls's state walks the path to it, and
-`check_path` judges each container: plain containers and the known-safe
-wrappers (``optax.inject_hyperparams``, ``optax.MultiSteps`` with a
-``should_skip_update_fn``) pass; chains, masks, partitions, plain
-``MultiSteps`` and ``apply_if_finite`` are refused, naming the fix; any other
-transformation state is warned about. `check_not_masked` refuses the
-``optax.MaskedNode`` leaves of a mask or partition. docs/howto/composing.md
-lists each case.
+state holds jls's runs around it and quietly trains wrongly. `check_path`
+judges the path to jls's state (docs/howto/composing.md lists each case).
 """
 
 from __future__ import annotations
@@ -77,8 +69,7 @@ def check_path(tree: Any, path: tuple[Any, ...]) -> None:
     """Judges every container on ``path`` from ``tree`` down to jls's state.
 
     Raises:
-      ValueError: for a composition that is known to train wrongly (see the
-        module notes), naming the fix.
+      ValueError: for a composition known to train wrongly, naming the fix.
 
     Warns:
       UserWarning: for any other transformation state on the path.
@@ -147,10 +138,7 @@ def check_not_masked(tree: Any, what: str) -> None:
 
 
 def not_loss_scaling(tx: Any, owner: Any) -> TypeError:
-    """The error for a ``tx`` that the fused path needs made by ``loss_scaling``.
-
-    ``owner``: the object whose bound ``update`` ``tx`` carries, if any.
-    """
+    """Error for a ``tx`` not made by ``loss_scaling``; ``owner`` owns its update."""
     got = "another transformation"
     if owner is not None:
         got = f"one made by {type(owner).__name__}"

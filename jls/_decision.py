@@ -1,11 +1,9 @@
 """The decision: the check, the replicas' agreement and the hooks' vetoes.
 
 Pure functions of a step's `jls._config.Config`: whether a step is applied,
-kept apart from what applies it (`jls._core`). `decide` reads the gradients
-once (`jls._finite`'s magnitude check, or `jls._squares` when the rule or a
-hook needs the range or norm) and makes every replica agree: ``pmin``/``pmax``
-over ``axis_name`` and over every ``shard_map`` axis a value varies over,
-each in one collective. A user's hooks see only agreed values.
+apart from what applies it (`jls._core`). Every replica agrees (``pmin`` or
+``pmax`` over ``axis_name`` and each ``shard_map`` axis a value varies
+over) before a user's hook sees a value.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ class Decision(NamedTuple):
     Attributes:
       finite: the unscaled gradients are all finite and the scale is in range.
       apply: the update is applied (before the hooks' vetoes).
-      magnitude: float32, the gradients' measured range (the largest
-        root-mean-square over the squares check's reductions, scaled).
+      magnitude: float32, the scaled gradients' largest root-mean-square.
       norm: float32, the global norm of the unscaled gradients.
     """
 
@@ -48,10 +45,8 @@ def decide(
 ) -> Decision:
     """The step's decision and measurements, agreed across replicas.
 
-    ``finite``: the unscaled gradients (and ``also_finite``) are all
-    finite and the scale lies in the rule's range. ``apply``: ``finite``,
-    or with ``skip_nonfinite=False`` any step whose scale is in range.
-    ``loss_scale`` has been validated (`jls._core.prepare`).
+    ``apply`` is ``finite``, or with ``skip_nonfinite=False`` any step whose
+    scale is in range.
     """
     _check_gradient_dtypes(grads)
     hint_bfloat16(config, grads)
@@ -79,9 +74,8 @@ def vetoes(
 ) -> tuple[dict[str, jax.Array], jax.Array | None]:
     """Each vetoing hook's agreed veto, and whether one holds the scale.
 
-    A veto counts (skips, is recorded) only on a step that would have
-    been applied; a holding one holds the rule on any step. All are
-    agreed across replicas in one collective.
+    A veto counts only on a step that would have been applied; a holding one
+    holds the rule on any step.
     """
     names, flags = [], []
     for h in config.hooks:
@@ -115,9 +109,8 @@ def vetoes(
 def gradient_factor(config: Config, hook_states: dict[str, Any], info: StepInfo) -> Any:
     """The product of the hooks' `Hook.gradient_factor` values, or ``None``.
 
-    Checked at trace time: each a floating scalar. A factor that is not
-    finite or not in ``[0, 1]`` would poison or blow up the update: it
-    reads as 1 (no shrink). The replicas take the smallest.
+    A factor that is not finite or not in ``[0, 1]`` reads as 1. The replicas
+    take the smallest.
     """
     factor = None
     for h in config.hooks:
@@ -149,11 +142,7 @@ def axes_of(config: Config, x: jax.Array) -> tuple[str, ...]:
 def loss_for_hooks(
     config: Config, extra_args: dict[str, Any]
 ) -> tuple[Any, dict[str, Any]]:
-    """``loss=`` for the hooks that watch it, taken out of the inner's args.
-
-    Every replica watches the same loss: the replicas' mean (non-finite
-    if any replica's is).
-    """
+    """``loss=`` for the hooks that watch it: the replicas' mean."""
     watchers = [h.name for h in config.hooks if h.needs_loss]
     readers = watchers or [h.name for h in config.hooks if h.reads_loss]
     if not readers:
@@ -179,13 +168,10 @@ def loss_for_hooks(
 
 
 def agree(config: Config, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
-    """Bool ``flags`` reduced across replicas, in one collective.
+    """Bool ``flags`` reduced by ``reduce`` (``lax.pmin`` or ``pmax``), one collective.
 
-    ``reduce`` is ``lax.pmin`` (true on every replica) or ``lax.pmax``
-    (true on any), over ``axis_name`` and every ``shard_map`` axis the
-    flags vary over: under ``shard_map`` a flag computed from gradients
-    sharded over an axis the user did not name (model-parallel
-    parameters, say) varies over it too.
+    Over ``axis_name`` and every ``shard_map`` axis the flags vary over (such
+    as an axis sharding model-parallel gradients).
     """
     out = []
     for group in _by_shape(flags):
@@ -201,10 +187,8 @@ def same_on_replicas(
 ) -> jax.Array:
     """Whether float32 scalar ``values`` are bitwise equal on every replica.
 
-    Over ``axes`` (default ``axis_name``): a model-parallel axis
-    legitimately holds different values. One collective: the maximum of
-    the bits and of their complement (``~b``, whose maximum is
-    ``~min(b)``).
+    Over ``axes`` (default ``axis_name``), in one collective: the maximum of
+    the bits and of their complement.
     """
     axes = config.axis_name if axes is None else axes
     if not axes:
@@ -248,8 +232,7 @@ def _by_shape(flags: list[jax.Array]) -> list[list[jax.Array]]:
 def _check_gradient_dtypes(grads: Any) -> None:
     """Refuses, at trace time, gradient dtypes that cannot hold a zero update.
 
-    ``float8_e8m0fnu`` (an exponent-only scale format) has no zero: any
-    optimizer's update, and jls's skipped-step zeros, would be nan.
+    ``float8_e8m0fnu`` has no zero: any update would be nan.
     """
     for leaf in jax.tree.leaves(grads):
         dtype = getattr(leaf, "dtype", None)

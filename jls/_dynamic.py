@@ -1,27 +1,26 @@
-"""The dynamic rule: grow while finite, back off on overflow (and its presets).
+"""The dynamic rule: grow while finite, back off on overflow.
 
 In pseudo-code (Micikevicius et al., 2018)::
 
     if grads_finite:
         growth_count += 1
-        if growth_count == growth_interval:      # the interval-th finite step
+        if growth_count == growth_interval:
             growth_count = 0
             if scale * growth_factor <= max_scale:
-                scale = scale * growth_factor     # else the scale stays
+                scale = scale * growth_factor
             backoff_count = 0                     # hysteresis restored
         if backoff_interval > 1 or consecutive_hysteresis:
             backoff_count = 0
     else:
         growth_count = 0
-        backoff_count += 1   # (kept at 0 when backoff_interval == hysteresis == 1)
+        backoff_count += 1
         if backoff_count >= max(backoff_interval, hysteresis):
             scale = max(scale * backoff_factor, min_scale)
-            if backoff_interval > 1: backoff_count = 0   # the count restarts
-            # with hysteresis the count stays: every further non-finite step
-            # backs off again until the scale next grows
+            if backoff_interval > 1: backoff_count = 0
+            # with hysteresis every further non-finite step backs off
 
-A static scaler is this rule with both factors 1; other frameworks' variants
-are configuration of it (`jls.presets`), never separate code paths.
+A static scaler is this rule with both factors 1, and the presets are
+configuration of it, never separate code paths.
 
 References:
   Micikevicius et al., "Mixed Precision Training", ICLR 2018.
@@ -53,8 +52,7 @@ def own(field: str) -> str:
 class DynamicScale(LossScaler):
     """The dynamic rule's configuration; see `dynamic_scale` for each field.
 
-    ``backoff_factor``, ``first_growth_interval`` and ``init_growth_count``
-    are stored resolved (``None`` in `dynamic_scale` means their default).
+    Fields that `dynamic_scale` defaults with ``None`` are stored resolved.
     """
 
     init_scale: float = 2.0**15
@@ -79,10 +77,7 @@ class DynamicScale(LossScaler):
 
     @classmethod
     def named(cls, name: Namer, **fields: Any) -> DynamicScale:
-        """The rule from ``fields`` (the rest default), errors naming ``name(f)``.
-
-        For presets, which take other frameworks' argument names.
-        """
+        """The rule from ``fields`` (the rest default), errors naming ``name(f)``."""
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         defaults["backoff_factor"] = None  # resolved from backoff_divisor
         unknown = set(fields) - set(defaults)
@@ -92,11 +87,7 @@ class DynamicScale(LossScaler):
 
     @property
     def growth_restart(self) -> int:
-        """The growth count after a non-finite step.
-
-        0, or negative when the first growth after the start or a non-finite
-        step takes ``first_growth_interval > growth_interval`` steps.
-        """
+        """The growth count after a non-finite step (< 0: a longer first interval)."""
         assert self.first_growth_interval is not None
         return self.growth_interval - self.first_growth_interval
 
@@ -177,12 +168,9 @@ class DynamicScale(LossScaler):
 
 
 def validated(fields: Mapping[str, Any], name: Namer) -> dict[str, Any]:
-    """The dynamic rule's fields, validated and resolved.
+    """The dynamic rule's fields, validated and resolved (``None``: the default).
 
-    ``name(field)`` is the argument name an error message uses: the field's
-    own for `dynamic_scale`, the framework's for a preset. ``None`` for
-    ``backoff_factor``, ``first_growth_interval`` or ``init_growth_count``
-    means its default.
+    Errors name each field ``name(field)``: its own, or a preset's framework's.
     """
     out = dict(fields)
     out["init_scale"] = positive_f32(name("init_scale"), fields["init_scale"])
@@ -258,39 +246,30 @@ def dynamic_scale(
 ) -> LossScaler:
     """The dynamic loss-scale rule: grow while finite, back off on overflow.
 
+    The knobs past the first few are the peers' variants (docs/scalers.md).
+
     Args:
       init_scale: the first step's scale, in ``[min_scale, max_scale]``.
       growth_factor: multiplies the scale on growth; ``>= 1``.
-      backoff_factor: multiplies the scale on back-off; in ``(0, 1]``.
-        Default 0.5.
-      growth_interval: the scale grows on this many consecutive finite steps;
-        a non-finite step restarts the count.
-      first_growth_interval: the first growth after the start or after a
-        non-finite step comes on this many consecutive finite steps, later
-        ones every ``growth_interval`` (DeepSpeed, nnabla). Default and
-        minimum ``growth_interval``.
+      backoff_factor: multiplies the scale on back-off; in ``(0, 1]`` (0.5).
+      growth_interval: the scale grows on this many consecutive finite steps.
+      first_growth_interval: the first growth after the start or a non-finite
+        step comes on this many finite steps (at least ``growth_interval``).
       init_growth_count: the growth count before the first step (to resume).
-      saturate_growth: a growth that would exceed ``max_scale`` lands on
-        ``max_scale`` instead of being skipped (flax).
-      backoff_divisor: back off by dividing the scale by this (``>= 1``)
-        instead of multiplying by ``backoff_factor`` (Keras, TensorFlow, jmp,
-        DeepSpeed, nnabla; ``x / 3 != x * (1 / 3)`` in float32). Not both.
+      saturate_growth: a growth past ``max_scale`` lands on it instead of
+        being skipped.
+      backoff_divisor: back off by dividing by this (``>= 1``) instead of
+        multiplying by ``backoff_factor``; not both.
       backoff_interval: back off once every this many consecutive non-finite
-        steps; a finite step clears the count (Paddle). 1 (default) backs off
-        on every non-finite step.
-      hysteresis: the first ``hysteresis - 1`` non-finite steps since the
-        last growth are tolerated (skipped without backing off); from then on
-        every non-finite step backs off until the scale next grows (Megatron,
-        DeepSpeed). Not with ``backoff_interval > 1``.
-      consecutive_hysteresis: any finite step (not only a growth) restores
-        the hysteresis (DeepSpeed).
-      min_scale: the floor of back-off (may be below 1), so the scale never
-        reaches 0.
-      max_scale: the ceiling of growth, so the scale never reaches inf.
-        Default 2**126, the largest power of two whose reciprocal is a normal
-        float32 (one exact multiplication unscales); above it, two factors.
-      skip_nonfinite: drop a step whose gradients are not finite (default);
-        ``False`` applies it, counted in ``consecutive_nonfinite``, not skips.
+        steps; a finite step clears the count.
+      hysteresis: tolerate ``hysteresis - 1`` non-finite steps since the last
+        growth, then back off on every one until the scale next grows. Not
+        with ``backoff_interval > 1``.
+      consecutive_hysteresis: any finite step restores the hysteresis.
+      min_scale: the floor of back-off (may be below 1).
+      max_scale: the ceiling of growth; above 2**126 unscaling takes two
+        factors.
+      skip_nonfinite: drop a step whose gradients are not finite (default).
 
     Returns:
       A `LossScaler`.
@@ -301,12 +280,7 @@ def dynamic_scale(
 
     Example:
       >>> import jls
-      >>> scaler = jls.dynamic_scale(init_scale=2.0**10, growth_interval=100)
-      >>> scaler.init().scale
+      >>> jls.dynamic_scale(init_scale=2.0**10, growth_interval=100).init().scale
       Array(1024., dtype=float32)
-      >>> jls.dynamic_scale(backoff_factor=2.0)
-      Traceback (most recent call last):
-      ...
-      ValueError: backoff_factor must be in (0, 1], got 2.0
     """
     return DynamicScale(**locals())  # the arguments are the fields, by name

@@ -1,28 +1,12 @@
 """The all-finite check: one pass over the gradients, exact, at memory speed.
 
-``benchmarks/bench_all_finite.py`` measures each choice; docs/guarantees.md
-states what it promises.
-
-* float32, bfloat16, float64 and complex leaves: one ``isfinite`` of
-  ``sum(|x| * 2**-k)`` (in float32, or the leaf's dtype when wider). A plain
-  sum can be fooled by the compiler (a fused producer contracted into an FMA
-  or a factored scalar sees unrounded products, and terms cancel); magnitudes
-  cannot cancel and rounding is monotone, so an element that rounds to inf
-  makes the sum inf. ``jnp.max`` is never used (XLA:CPU drops nan from it).
-* ``2**k >= 256 * leaf_size``: a sum of finite values cannot overflow, even
-  with the worst rounding of ``size`` additions, so the check is exact
-  without a second pass. Leaves of one size get distinct powers
-  ``2**-(k + j)`` (`TWINS` apart at most): XLA:CPU shared one constant's
-  broadcast between them and read it as an array.
-* Leaves of at most `SMALL_LEAF` elements share one reduction per compute
-  dtype (each reduction is a kernel to compile), over a concatenation of at
-  most `SMALL_GROUP` elements (a temporary copy). Large leaves keep their
-  own, fused with the gradient's producer.
-* float16, fp8 and fp4 leaves: ``jnp.isfinite(x).all()`` in their own format
-  (cheaper than converting them).
-
-Integer, bool and float0 leaves and ``None`` are ignored; an empty tree is
-finite.
+float32, bfloat16, float64 and complex leaves: one ``isfinite`` of
+``sum(|x| * 2**-k)``, ``2**k >= 256 * leaf_size`` so that finite values
+cannot overflow it. Magnitudes cannot cancel (a plain sum can, under FMA
+contraction) and rounding is monotone: an element that rounds to inf makes
+the sum inf. (``jnp.max`` drops nan on XLA:CPU.) Small leaves share one
+reduction per dtype (`SMALL_LEAF`, `SMALL_GROUP`). float16, fp8 and fp4
+leaves: ``jnp.isfinite(x).all()``. docs/guarantees.md states the promise.
 """
 
 from __future__ import annotations
@@ -39,15 +23,13 @@ from jls._scaling import compute_dtype, unscale_tree
 _NATIVE_CHECK_MAX_BITS = 16  # float16 and fp8: test in the leaf's own format
 SMALL_LEAF = 2**14  # leaves this small share one reduction
 SMALL_GROUP = 2**17  # elements the small leaves share a reduction over (a temporary)
+# XLA:CPU shared one constant's broadcast between same-size leaves and read it
+# as an array: such leaves get distinct shrinks 2**-(k + j).
 TWINS = 64  # distinct shrinks for leaves of one size: 2**-(31 + 8 + 63) is normal
 
 
 def runs(parts: list[Any]) -> list[list[Any]]:
-    """``parts`` (small leaves) as the runs that share a reduction.
-
-    The first `SMALL_GROUP` elements share one; each part past that has its
-    own, so no concatenation copies more than that.
-    """
+    """``parts`` as reductions: the first `SMALL_GROUP` elements', then one each."""
     shared: list[Any] = []
     own: list[list[Any]] = []
     size = 0
@@ -82,12 +64,8 @@ def _checked_natively(dtype: Any) -> bool:
 def sharded_in_its_type(x: jax.Array) -> bool:
     """Whether ``x`` may be sharded across devices (it must not be concatenated).
 
-    True where its type names mesh axes (explicit sharding), and where it
-    lives on a mesh of several devices with automatic axes (``jit`` over
-    arrays placed with ``NamedSharding``): the type then says nothing, and
-    the partitioner may shard it. A concatenation of sharded leaves gathers
-    them onto every device; such leaves are checked one by one, each
-    reduced where it lies.
+    True where its type names mesh axes, and on a mesh of several devices with
+    automatic axes, where the partitioner may shard it.
     """
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
@@ -106,10 +84,8 @@ def sharded_in_its_type(x: jax.Array) -> bool:
 def one_reduction_is_safe(x: jax.Array) -> bool:
     """Whether several reductions of ``x`` may be one variadic ``lax.reduce``.
 
-    Only in a process with one device: the partitioner gathers the operands
-    of a sharded variadic reduction, and a leaf may be sharded where its
-    type does not say so (``jax.jit(..., in_shardings=...)`` over arrays not
-    yet placed), so with several devices it is two reductions.
+    Only with one device: the partitioner gathers the operands of a sharded
+    variadic reduction, and the type may not say that ``x`` is sharded.
     """
     return jax.device_count() == 1 and not sharded_in_its_type(x)
 
@@ -121,12 +97,7 @@ def _add(a: Any, b: Any) -> tuple[Any, ...]:
 
 
 def counts(*masks: jax.Array) -> tuple[jax.Array, ...]:
-    """The int32 count of each of ``masks`` (bool arrays of one shape).
-
-    One variadic reduction where that is safe (`one_reduction_is_safe`): one
-    kernel reading the entries once, where a sum each made XLA:CPU write
-    each mask out and read it back.
-    """
+    """The int32 count of each of ``masks`` (bool arrays of one shape), in one pass."""
     if not one_reduction_is_safe(masks[0]):
         return tuple(jnp.sum(m, dtype=jnp.int32) for m in masks)
     ints = tuple(m.astype(jnp.int32) for m in masks)
@@ -150,8 +121,7 @@ def _shrunk_sum(
 ) -> jax.Array:
     """``sum(|x| * 2**-k)`` over ``parts`` in ``dtype``, ``2**k >= 256 * size``.
 
-    ``k`` is the least such power plus ``twin`` (the leaf's rank among those
-    of its size). Several parts are concatenated first: one kernel.
+    ``twin`` is added to the least such ``k``.
     """
     exponent = (size - 1).bit_length() + 8 + twin % TWINS
     shrink = jnp.asarray(2.0**-exponent, dtype)
@@ -163,11 +133,7 @@ def _shrunk_sum(
 
 
 def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
-    """Exact finiteness of a list of inexact arrays, in one pass.
-
-    Each large leaf has a reduction of its own; the small ones (at most
-    `SMALL_LEAF` elements) share one per compute dtype (see the module notes).
-    """
+    """Exact finiteness of a list of inexact arrays, in one pass."""
     flags = []
     small: dict[Any, list[jax.Array]] = {}
     twins: dict[Any, int] = {}  # large parts of each size and dtype so far
@@ -196,12 +162,11 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
 def all_finite(tree: Any) -> jax.Array:
     """Whether every floating (or complex) leaf of ``tree`` is finite.
 
-    Exact (no false positives, no false negatives), one pass over the tree.
-    Works inside ``jit``, ``vmap``, ``pmap`` and ``shard_map``.
+    Exact, one pass over the tree; works inside ``jit``, ``vmap``, ``pmap`` and
+    ``shard_map``.
 
     Args:
-      tree: any pytree. float16, bfloat16, float32, float64, complex and fp8
-        leaves are checked; integer, bool and float0 leaves and ``None`` are
+      tree: any pytree. Integer, bool and float0 leaves and ``None`` are
         ignored.
 
     Returns:
@@ -213,8 +178,6 @@ def all_finite(tree: Any) -> jax.Array:
       Array(True, dtype=bool)
       >>> jls.all_finite([jnp.array([1.0, jnp.nan], jnp.float16)])
       Array(False, dtype=bool)
-      >>> jls.all_finite({})
-      Array(True, dtype=bool)
     """
     return _all_finite_jit(tree)
 
@@ -236,10 +199,8 @@ def unscaled_finite(
 ) -> jax.Array:
     """Whether ``unscale(grads)`` is all finite, reading the scaled gradients.
 
-    For a scale >= 1 unscaling cannot overflow, so the scaled gradients are
-    finite exactly when the unscaled ones are, and are checked directly.
-    Below 1 (only with ``min_scale < 1``) the check tests the unscaled
-    values, computed inside it and never stored.
+    At a scale >= 1 unscaling cannot overflow, so the scaled gradients are
+    checked; below 1 the unscaled values, computed inside the check.
     """
     leaves = inexact_leaves(grads)
     if not scale_may_be_below_one:

@@ -22,10 +22,8 @@ class Transformation(Protocol):
 def with_extra_args(inner: Transformation) -> optax.GradientTransformationExtraArgs:
     """``inner`` as an optax pair whose ``update`` takes extra arguments.
 
-    ``optax.with_extra_args_support`` drops them for anything that is not a
-    ``GradientTransformationExtraArgs``, such as an ``optax.MultiSteps``
-    object, whose ``update`` forwards them to its own inner optimizer: an
-    ``update`` that takes ``**kwargs`` keeps them.
+    ``optax.with_extra_args_support`` drops them for an ``optax.MultiSteps``
+    object, whose ``update`` forwards them: its ``**kwargs`` keep them.
     """
     if isinstance(inner, optax.GradientTransformationExtraArgs):
         return inner

@@ -1,13 +1,9 @@
 """The measured rule: the scale read off the gradients' range.
 
-The dynamic rule finds its scale by overflowing; this rule reads it off the
-gradients. The finite check is then a sum of squares (`jls._squares`), which
-also gives each reduction's root-mean-square (RMS) at no extra memory traffic
-(a max reduction would cost more). Overflows in the backward pass happen in
-activation gradients, which the parameters' RMS does not see: so a
-non-finite step still backs off, and doubles the state's ``headroom``. Scales
-and headroom are powers of two, so unscaling is exact. The evidence for each
-choice is in docs/scalers.md and ``benchmarks/bench_scalers.py``.
+The finite check is then a sum of squares (`jls._squares`), which also gives
+each reduction's root-mean-square. Overflows in activation gradients are
+invisible there, so a non-finite step still backs off and doubles the
+``headroom``. Scales and headroom are powers of two: unscaling is exact.
 """
 
 from __future__ import annotations
@@ -202,29 +198,22 @@ def measured_scale(
     """A scale chosen from the gradients' measured range: no interval to tune.
 
     After a finite step the next scale is the largest power of two at which
-    the scaled gradients' largest root-mean-square (over the check's
-    reductions) stays ``margin * headroom`` below ``dtype``'s maximum, and
-    at most ``max_growth`` times the current scale: it follows the gradients
-    down at once, without a skipped step. A non-finite step backs off by
-    ``backoff_factor``, and the first overflow of a run doubles the state's
-    ``headroom``, which ``history`` finite steps halve again. The check is
-    then the sum-of-squares check, which never reports finite gradients
-    non-finite. A scale that is not a power of two (set by hand) is out of
-    range: its step is dropped.
+    the scaled gradients' largest root-mean-square stays ``margin * headroom``
+    below ``dtype``'s maximum, growing at most ``max_growth`` times per step.
+    A non-finite step backs off by ``backoff_factor``, and the first overflow
+    of a run doubles the state's ``headroom``, which ``history`` finite steps
+    halve again (docs/scalers.md). A scale that is not a power of two is out
+    of range: its step is dropped.
 
     Args:
       margin: the headroom, ``>= 1``, between the scaled gradients' largest
-        root-mean-square and ``dtype``'s maximum. The default, 2**8, is the
-        only margin ``benchmarks/bench_scalers.py`` tried that skipped no
-        step after warm-up on all its runs.
-      history: finite steps after which the headroom an overflow added is
-        halved again.
+        root-mean-square and ``dtype``'s maximum.
+      history: finite steps that halve the headroom an overflow added.
       dtype: the compute dtype whose maximum the scaled gradients are kept
         below (float16; an fp8 type for fp8 gradients).
       init_scale: the first step's scale, a power of two.
       max_growth: the most the scale grows in one step, a power of two ``>= 1``.
-      backoff_factor: multiplies the scale on a non-finite step; a power of
-        two in (0, 1].
+      backoff_factor: the back-off, a power of two in (0, 1].
       min_scale: the floor, a power of two.
       max_scale: the cap. Default 2**126 (one-factor unscaling).
       skip_nonfinite: drop a step whose gradients are not finite (default).
@@ -234,20 +223,14 @@ def measured_scale(
 
     Raises:
       TypeError: if an argument has the wrong type (the message names it).
-      ValueError: if an argument is out of range or not a power of two where
-        one is needed (the message names it).
+      ValueError: if an argument is out of range (the message names it).
 
     Example:
       >>> import jax.numpy as jnp, jls
       >>> scaler = jls.measured_scale(margin=2.0**10, init_scale=2.0**15)
-      >>> state = scaler.init()
-      >>> # The scaled gradients' largest RMS is 2**-3 at 2**15: the target
-      >>> # (2**24) is far above, but the scale grows by max_growth (2) at most.
-      >>> state = scaler.adjust(state, True, magnitude=jnp.float32(2.0**-3))
+      >>> # Far below the target (2**24), the scale grows by max_growth (2).
+      >>> state = scaler.adjust(scaler.init(), True, magnitude=jnp.float32(2.0**-3))
       >>> float(state.scale) == 2.0**16
       True
-      >>> state = scaler.adjust(state, False)  # an overflow: back off
-      >>> float(state.scale) == 2.0**15, float(state.headroom)
-      (True, 2.0)
     """
     return MeasuredScale(**locals())  # the arguments are the fields, by name

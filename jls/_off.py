@@ -1,14 +1,10 @@
 """The off switch: ``jls.no_scale(skip_nonfinite=False)`` is the plain optimizer.
 
-A scaler that never scales and never skips needs no check and no
-conditional: the step is the inner optimizer's own update (and
-``optax.apply_updates``), bitwise the plain step (``tests/test_off.py``
-compares the compiled programs), so one script serves every precision. The
-gradients are not unscaled (dividing, even by 1 behind a select, changes how
-XLA fuses the update): restore a scaled run's state with
-``jls.set_loss_scale(opt_state, 1.0)``, or its first loss is scaled. Only the
-default hooks may be present (the divergence flag and the non-finite loss
-record); any other needs the check, and takes the usual path.
+A scaler that never scales and never skips needs no check: the step is the
+inner optimizer's update, bitwise the plain step (``tests/test_off.py``
+compares the compiled programs). The gradients are not unscaled: restore a
+scaled run's state with ``jls.set_loss_scale(opt_state, 1.0)``. Any hook
+but the defaults takes the usual path.
 """
 
 from __future__ import annotations
@@ -53,9 +49,7 @@ def off_step(
 ) -> tuple[Any, LossScalingState]:
     """The inner optimizer's step, as `jls._core.step` returns it.
 
-    ``params``: the trained floating parameters (split by the caller, who
-    merges the rest back). ``loss``: the loss given as ``loss=`` (taken out
-    of ``extra_args``), or ``None``; only recorded.
+    ``params`` are the trained floating parameters; ``loss`` is only recorded.
     """
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     out = optax.apply_updates(params, updates) if fused else updates
@@ -69,11 +63,7 @@ def off_step(
 
 
 def warn_float16(grads: Any, *, off: bool) -> None:
-    """Warns, at trace time, that float16 gradients are trained without a scale.
-
-    ``off``: the off switch (non-finite steps applied too), else a scale of 1
-    that still skips (``jls.no_scale()``).
-    """
+    """Warns, at trace time, that float16 gradients are trained without a scale."""
     dtypes = {np.dtype(getattr(g, "dtype", np.float32)) for g in jax.tree.leaves(grads)}
     if np.dtype(jnp.float16) not in dtypes:
         return

@@ -1,10 +1,8 @@
 """`LossScaler`: what every loss-scale rule is, and what they all share.
 
-A rule is an immutable, hashable configuration (a frozen dataclass, validated
-when made), closed over by the step and never stored in the state. Its pure
-methods are the whole state machine. Each rule (`jls._dynamic`,
-`jls._measured`) writes only ``_next``; this base class does what they
-share: input checks, the range, and the saturating skip counters.
+A rule is a frozen, validated dataclass closed over by the step, never state.
+Each rule (`jls._dynamic`, `jls._measured`) writes only ``_next``; this base
+class does the input checks, the range and the saturating skip counters.
 """
 
 from __future__ import annotations
@@ -55,6 +53,11 @@ class LossScaler:
       min_scale: the scale never backs off below this.
       max_scale: the scale never grows above this.
       skip_nonfinite: whether a step with non-finite gradients is dropped.
+
+    Example:
+      >>> import jls
+      >>> jls.dynamic_scale(init_scale=8.0).init_scale
+      8.0
     """
 
     init_scale: float
@@ -94,9 +97,7 @@ class LossScaler:
     def in_range(self, scale: jax.Array) -> jax.Array:
         """Whether ``scale`` lies in ``[min_scale, max_scale]`` (False for nan).
 
-        A step whose scale is out of range (from a checkpoint or
-        `jls.set_loss_scale`) is treated as non-finite and always dropped;
-        `adjust` brings the scale back into range.
+        A step at an out-of-range scale is treated as non-finite and dropped.
         """
         f32 = jnp.float32
         return (scale >= f32(self.min_scale_f32)) & (scale <= f32(self.max_scale_f32))
@@ -110,12 +111,7 @@ class LossScaler:
         return make_state(1.0)._replace(scale=scale)
 
     def init(self) -> LossScaleState:
-        """Returns the state before the first step.
-
-        Returns:
-          A `LossScaleState` with ``scale == init_scale`` (as float32) and all
-          counters at their start.
-        """
+        """Returns the state before the first step, at ``init_scale``."""
         return make_state(self.init_scale)
 
     def adjust(
@@ -127,30 +123,24 @@ class LossScaler:
         magnitude: ArrayLike | None = None,
         retries: ArrayLike | None = None,
     ) -> LossScaleState:
-        """Advances the state machine by one step.
-
-        Pure and jittable; under ``vmap`` it adjusts each state independently.
+        """Advances the state machine by one step; pure, jittable and vmappable.
 
         Args:
           state: the current `LossScaleState`.
           grads_finite: a scalar bool, whether this step's gradients were all
             finite.
-          applied: a scalar bool, whether the step's update was applied (it
-            drives the skip counters). Default: derived from
-            ``grads_finite``, ``skip_nonfinite`` and the range.
+          applied: a scalar bool, whether the step's update was applied (the
+            skip counters); by default, from ``grads_finite``.
           magnitude: a float32 scalar, the largest root-mean-square of the
-            step's scaled gradients, which the measured rule follows (without
-            it, it holds the scale on a finite step). Ignored by the dynamic
-            rule.
-          retries: how many times this step's gradients were recomputed
-            before this outcome (`retry`); recorded in the state. Default 0.
+            step's scaled gradients, which the measured rule follows.
+          retries: how many times this step's gradients were recomputed (`retry`).
 
         Returns:
           The next `LossScaleState`.
 
         Raises:
-          TypeError: at trace time, if ``state`` is not a valid
-            `LossScaleState` or ``grads_finite`` is not a scalar bool.
+          TypeError: at trace time, if ``state`` is not a valid `LossScaleState`
+            or ``grads_finite`` is not a scalar bool.
 
         Example:
           >>> import jls
@@ -192,12 +182,7 @@ class LossScaler:
         )
 
     def retry(self, state: LossScaleState, attempt: ArrayLike) -> LossScaleState:
-        """The state for retry number ``attempt`` (from 1) after an overflow.
-
-        The rule's next state for a non-finite step, less the skip counters:
-        a retry is an attempt, not a step. ``jls.train_step(...,
-        max_retries=n)`` computes the gradients again with it.
-        """
+        """Retry ``attempt``'s state: a non-finite step's, the skip counters kept."""
         attempt = jnp.asarray(attempt, jnp.int32)
         # The overflow it follows was that of attempt ``attempt - 1``.
         nxt = self.adjust(state, jnp.asarray(False), retries=attempt - 1)
@@ -209,12 +194,7 @@ class LossScaler:
         )
 
     def hold(self, state: LossScaleState, grads_finite: ArrayLike) -> LossScaleState:
-        """The state after a step that was skipped without moving the rule.
-
-        A hook that ``holds_scale`` vetoed it (a non-finite loss says nothing
-        about the scale): the scale, growth and back-off counts and the
-        headroom stay; the step counts as skipped.
-        """
+        """The state after a step skipped without moving the rule (a hook's veto)."""
         state = check_state(state)
         finite = bool_scalar("grads_finite", grads_finite)
         i32 = jnp.int32
@@ -241,11 +221,7 @@ class LossScaler:
         raise NotImplementedError
 
     def _clamped(self, scale: jax.Array) -> jax.Array:
-        """``scale`` brought into ``[min_scale, max_scale]``; nan to min_scale.
-
-        Whatever the state held (a scale set by hand, nan), the next scale is
-        in range.
-        """
+        """``scale`` brought into ``[min_scale, max_scale]``; nan to ``min_scale``."""
         low, high = jnp.float32(self.min_scale_f32), jnp.float32(self.max_scale_f32)
         return jnp.where(scale >= low, jnp.minimum(scale, high), low)
 

@@ -1,8 +1,7 @@
 """Scaling the loss and unscaling the gradients.
 
-`scale_loss` also tags the scale it hands out, per trace, so that an update
-can warn when its loss was scaled with another optimizer's state
-(`check_scaled_with`: two jls optimizers with swapped states).
+`scale_loss` also tags the scales it hands out, per trace, so that an update
+can warn when two jls optimizers' states were swapped (`check_scaled_with`).
 """
 
 from __future__ import annotations
@@ -22,11 +21,9 @@ from jls._tree import loss_scale_state
 
 
 def compute_dtype(dtype: Any) -> Any:
-    """The dtype to compute in: at least float32.
+    """The dtype to compute in: float32 for narrower floats, else the dtype itself.
 
-    float32 for floats narrower than 32 bits (float16, bfloat16, every fp8
-    and fp4 type); the dtype itself when wider (float64, complex). Not
-    ``jnp.promote_types(dtype, float32)``: JAX defines no promotion for the
+    Not ``jnp.promote_types(dtype, float32)``: JAX defines no promotion for the
     fp8 and fp4 types.
     """
     dtype = np.dtype(dtype)
@@ -44,12 +41,9 @@ def _reciprocal(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``1 / scale`` as one factor, or two normal factors ``(a, b)``.
 
-    XLA flushes subnormals, so the float32 reciprocal of a scale above
-    2**126 would be 0. Without ``two_factor`` (``max_scale`` at most
-    `SINGLE_FACTOR_MAX`) it is ``(1 / scale, None)``. Otherwise above 2**64
-    it is ``(2**64 / scale, 2**-64)``: the second factor is a power of two,
-    so ``(x * a) * b`` rounds once, like ``x * (1 / scale)``, and never
-    overflows in between. float64 needs one factor.
+    XLA flushes subnormals, so the float32 reciprocal of a scale above 2**126
+    is 0. With ``two_factor``, above 2**64 it is ``(2**64 / scale, 2**-64)``:
+    the power-of-two second factor makes ``(x * a) * b`` round once.
     """
     scale = scale.astype(dtype)
     one = jnp.ones((), dtype)
@@ -67,8 +61,8 @@ Factors = dict[Any, tuple[jax.Array, jax.Array | None]]
 def reciprocals(scale: jax.Array, tree: Any, *, two_factor: bool = True) -> Factors:
     """The factors of ``1 / scale`` for every compute dtype of ``tree``'s leaves.
 
-    Computed once per step and shared by every leaf (not compiled once per
-    leaf). ``two_factor=False`` promises ``scale <= SINGLE_FACTOR_MAX``.
+    Computed once per step and shared by every leaf. ``two_factor=False``
+    promises ``scale <= SINGLE_FACTOR_MAX``.
     """
     factors = {}
     for leaf in jax.tree.leaves(tree):
@@ -85,10 +79,9 @@ def reciprocals(scale: jax.Array, tree: Any, *, two_factor: bool = True) -> Fact
 def unscale_leaf(leaf: Any, factors: Factors, shrink: Any = None) -> Any:
     """``leaf * (1 / scale)`` computed in at least float32, in ``leaf``'s dtype.
 
-    ``factors`` comes from `reciprocals` (empty: the scale is 1). ``shrink``,
-    a float32 scalar in ``[0, 1]`` (a clipped spike's ``limit / norm``), is
-    multiplied into the last factor, so a shrink of 1 changes no bit.
-    Non-floating leaves (integers, bools, float0, None) pass through.
+    ``factors`` comes from `reciprocals` (empty: the scale is 1). ``shrink``
+    (a clipped spike's ``limit / norm``) multiplies the last factor, so a
+    shrink of 1 changes no bit. Non-floating leaves pass through.
     """
     if leaf is None:
         return leaf
@@ -151,9 +144,8 @@ def _tag(scale: Any) -> None:
 def check_scaled_with(scale: Any, stacklevel: int) -> None:
     """Warns, at trace time, if this trace's losses were scaled by other states.
 
-    ``scale`` is the state's scale, as an update reads it; when `scale_loss`
-    handed out scales in this trace and ``scale`` is none of them, two jls
-    optimizers' states were swapped.
+    When `scale_loss` handed out scales in this trace and the state's ``scale``
+    is none of them, two jls optimizers' states were swapped.
     """
     trace = _trace_of(scale)
     refs = _HANDED_OUT.get(trace) if trace is not None else None
@@ -182,8 +174,7 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
     """Multiplies the loss by the current loss scale, in float32.
 
     Call it on the loss inside the function you differentiate: the gradients
-    come out scaled, as `loss_scaling`'s ``update`` expects. A narrower loss
-    is upcast to float32 first, so the scaling itself never overflows.
+    come out scaled, as `loss_scaling`'s ``update`` expects.
 
     Args:
       loss: a floating array (usually a scalar).
@@ -221,8 +212,7 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
 def _warn_varying(loss: jax.Array) -> None:
     """Warns, at trace time, of a loss whose gradients jax will sum over axes.
 
-    Under ``shard_map(check_vma=True)`` the gradient of a loss that varies
-    over an axis, for a parameter replicated over it, is the replicas' sum,
+    Under ``shard_map(check_vma=True)`` such gradients are the replicas' sum,
     which nothing later can tell from a mean.
     """
     axes = tuple(sorted(varying_axes(loss)))
@@ -245,11 +235,8 @@ def _warn_varying(loss: jax.Array) -> None:
 def unscale(tree: Any, opt_state: Any) -> Any:
     """Divides every floating leaf by the loss scale, keeping its dtype.
 
-    Multiplies by the reciprocal of the scale in at least float32 (exactly a
-    division for power-of-two scales, else within the last bit; a division
-    would cost a copy of the gradients), also above 2**126. Integer, bool
-    and float0 leaves and ``None`` pass through. `loss_scaling` calls this
-    for you; use it only in a hand-written step.
+    Multiplies by the reciprocal in at least float32 (exact for power-of-two
+    scales); non-floating leaves pass through. For a hand-written step.
 
     Args:
       tree: a pytree of (scaled) gradients.

@@ -1,18 +1,8 @@
 """One gradient in shards: per-device statistics made global, on any mesh.
 
-What jls measures of the gradients (the sum of squares behind the norm and
-the measured rule, the scale statistics' counts) is computed per device, one
-row per reduction. A reduction over a gradient sharded across devices sees
-one shard, and its rows must be added over the axes it is sharded on; a
-reduction over a replicated gradient must be kept as it is (adding it would
-count it once per replica). `global_rows` does both, on every mesh:
-
-* Where jax records the varying axes (``shard_map(check_vma=True)``), rows
-  are added over exactly their gradient's axes.
-* Where it records none (``pmap``, a named ``vmap``, ``check_vma=False``),
-  each axis is decided on its own: a row bitwise equal on every member is a
-  replica's (kept), any other a shard's (added). Shards whose rows happen to
-  be equal read as replicas; ``check_vma=True`` avoids that.
+A sharded gradient's rows add over its shards; a replicated one's are kept.
+Where jax records no varying axes (``pmap``, ``check_vma=False``), a row
+bitwise equal on every member of an axis reads as a replica's.
 """
 
 from __future__ import annotations
@@ -36,10 +26,8 @@ def global_rows(
 
     Args:
       rows: per reduction, a float32 vector: its first ``added`` entries add
-        over shards (sums, counts, sizes), the rest take the maximum over
-        shards and replicas alike (the largest magnitude).
-      varying: per reduction, the ``shard_map`` axes its gradient varies over
-        (read where ``tracked``).
+        over shards, the rest take the maximum.
+      varying: per reduction, the ``shard_map`` axes its gradient varies over.
       named: the axes named by the caller (``axis_name``).
       tracked: whether jax records varying axes (`jls._compat`).
       added: how many leading entries of each row add.

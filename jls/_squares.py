@@ -1,18 +1,12 @@
 """The squares check: the finite flag, the gradients' range and their norm.
 
 With the measured rule, the norm metric or the spike rule, the check is a
-sum of squares per reduction instead of `jls._finite`'s sum of magnitudes:
-one pass gives the flag, each reduction's root-mean-square and the global
-norm. It keeps the magnitude check's promises:
-
-* No false negatives, under fusion too: squares cannot cancel, and an
-  element that rounds to inf squares to inf.
-* No false positives: a finite plain sum proves every value finite; only
-  when one is not does a second pass (in a ``lax.cond``) sum the squares
-  shrunk by ``2**-84``, which no finite float32 values overflow. (One shrunk
-  sum alone would flush small gradients' squares and lose the norm.)
-* Replicas and shards agree: a gradient sharded over ``shard_map`` axes has
-  its sums added over them.
+sum of squares per reduction: one pass gives the flag, each reduction's
+root-mean-square and the global norm, with the magnitude check's promises.
+Squares cannot cancel, and an element that rounds to inf squares to inf. A
+finite plain sum proves every value finite; only when it is not does a
+second pass (in a ``lax.cond``) sum the squares shrunk by ``2**-84``, which
+no finite float32 values overflow.
 """
 
 from __future__ import annotations
@@ -42,18 +36,11 @@ class Measured(NamedTuple):
     """What the squares check reads off the scaled gradients in its one pass.
 
     Attributes:
-      finite: scalar bool, whether every value is finite (exact: no false
-        positive however large the finite values, see `leaves_squares`). Not
-        yet agreed across replicas.
-      magnitude: float32 scalar, the largest root-mean-square over the
-        check's reductions (one per large leaf, one per group of small
-        leaves), of the whole gradient for one sharded over ``shard_map``
-        axes: what the measured scaler keeps below the compute dtype's
-        maximum. 0 for a tree with nothing to check.
-      low: float32 scalar, the sum of the squares of every scaled value
-        (inf when it overflows float32).
-      high: float32 scalar, the same sum in units of ``2**-168``: finite
-        whenever every value is (`norm` reads it when ``low`` overflowed).
+      finite: scalar bool, whether every value is finite (not yet agreed).
+      magnitude: float32 scalar, the largest root-mean-square over the check's
+        reductions; 0 for a tree with nothing to check.
+      low: float32 scalar, the sum of the squares (inf past float32's range).
+      high: float32 scalar, the same sum in units of ``2**-168``.
     """
 
     finite: jax.Array
@@ -81,9 +68,8 @@ def _values(parts: list[jax.Array], dtype: Any) -> list[jax.Array]:
 def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
     """``sum(square(x))`` over ``parts``, accumulated in ``dtype``.
 
-    Several parts are concatenated first, so that the squares are one kernel.
-    One part is not reshaped: it may be sharded in its type
-    (`sharded_in_its_type`).
+    Several parts are concatenated first (one kernel); one part is not
+    reshaped, as it may be sharded.
     """
     pieces = _values(parts, dtype)
     if len(parts) == 1:
@@ -94,10 +80,8 @@ def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
 def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
-    Reductions as `leaves_finite`'s, each a sum of squares in float32
-    (float64 for float64 leaves), with the second, shrunk pass of the module
-    notes. A leaf sharded over ``shard_map`` axes has its sums added over
-    them; a replicated one is kept (`jls._shards.global_rows`).
+    Reductions as `leaves_finite`'s. A leaf sharded over ``shard_map`` axes
+    has its sums added over them (`jls._shards.global_rows`).
     """
     tracked = tracked_in(leaves, named)
     reductions: list[tuple[list[jax.Array], Any, tuple[str, ...]]] = []
@@ -163,11 +147,8 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
 def _in_high_units(low: jax.Array, high: Any, dtype: Any) -> jax.Array:
     """A reduction's sum of squares in float32 units of ``2**-168``.
 
-    ``high`` is the same sum shrunk by ``2**-2k`` (`_SHRINK_EXP`), or
-    ``None`` when ``low`` is finite (then ``low`` gives it: its squares below
-    ``2**-42`` flush to zero, which cannot matter next to a total that
-    overflowed). A float64 sum too large for those units is inf, and so is a
-    non-finite one.
+    From ``high`` (shrunk by `_SHRINK_EXP`), or from ``low`` when ``high`` is
+    ``None``; inf when too large for those units.
     """
     f32 = jnp.float32
     scaled = (low * jnp.asarray(2.0**-_HIGH_EXP, low.dtype)).astype(f32)
@@ -187,10 +168,8 @@ def _in_high_units(low: jax.Array, high: Any, dtype: Any) -> jax.Array:
 def unscaled_norm(measured: Measured, scale: jax.Array) -> jax.Array:
     """The global norm of the unscaled gradients, ``sqrt(sum) / scale``.
 
-    Exact to rounding for every finite norm: from the plain sum when it is
-    finite, else from the shrunk one, whose exponent is applied with
-    ``ldexp`` so that no intermediate overflows or flushes (inf only for a
-    norm past the float32 maximum).
+    Exact to rounding for every finite norm: the shrunk sum's exponent is
+    applied with ``ldexp`` so that nothing overflows or flushes.
     """
     f32 = jnp.float32
     scale = scale.astype(f32)
@@ -211,11 +190,7 @@ def unscaled_measured(
     scale_may_be_below_one: bool,
     named: tuple[str, ...] = (),
 ) -> Measured:
-    """`unscaled_finite` as the squares check, with its range and norm.
-
-    The measurements are of the scaled gradients; below a scale of 1 the
-    finite flag is also the exact test of the unscaled values.
-    """
+    """`unscaled_finite` as the squares check, with its range and norm."""
     leaves = inexact_leaves(grads)
     measured = _squares_jit(leaves, named)
     if not scale_may_be_below_one:

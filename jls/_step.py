@@ -1,14 +1,10 @@
 """`train_step`: a loss function and a `loss_scaling` transformation, one call.
 
-A pure function ``(params, opt_state, *batch) -> (params, opt_state,
-StepOutput)`` to wrap in ``jit``: it scales the loss, differentiates, checks
-once and applies the fused update. Retries (`_retried`) recompute an
-overflowed step's gradients at the backed-off scale in the same call; they
-are attempts, not steps. Accumulation (`_accumulate`) adds micro-batches in
-float32 under one scale, each pre-multiplied by a power of two at or below
-``1 / k``, so the accumulator overflows only where the mean does
-(docs/howto/accumulation.md). Averaging over ``pmap``/``shard_map`` axes
-comes before the check (`jls._average`).
+The step scales the loss, differentiates, checks once and applies the fused
+update. Retries recompute an overflowed step at the backed-off scale within
+the call; accumulation adds micro-batches in float32 under one scale, each
+pre-multiplied by a power of two at or below ``1 / k`` so the accumulator
+overflows only where the mean does (docs/howto/accumulation.md).
 """
 
 from __future__ import annotations
@@ -37,27 +33,20 @@ class StepOutput(NamedTuple):
 
     Attributes:
       loss: the unscaled loss (float32; the mean over micro-batches).
-      aux: ``loss_fn``'s auxiliary output (stacked over micro-batches), or
-        ``None`` without ``has_aux``.
+      aux: ``loss_fn``'s auxiliary output (stacked over micro-batches).
       nonfinite: whether the step's gradients (after any retries) were not
         all finite (or its scale was outside the scaler's range).
-      skipped: whether the step's update was dropped: ``nonfinite``, unless
-        the scaler applies non-finite steps (``skip_nonfinite=False``).
+      skipped: whether the step's update was dropped.
       loss_scale: the scale the step's (last) gradients were computed with.
       next_loss_scale: the scale for the next step.
       retries: how many times the gradients were recomputed (int32).
-      nonfinite_loss: whether the loss itself was not finite: the step was
-        skipped with the scale held, and not retried (no scale helps).
+      nonfinite_loss: whether the loss itself was not finite (the step was
+        skipped with the scale held).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
       >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale(2.0**10))
       >>> step = jls.train_step(lambda p, x: jnp.sum(p * x), tx)
-      >>> _, _, out = step(jnp.ones(2), tx.init(jnp.ones(2)), jnp.array([1.0, jnp.inf]))
-      >>> # The loss itself is inf: skipped, the scale kept (no scale helps).
-      >>> bool(out.skipped), bool(out.nonfinite_loss), float(out.next_loss_scale)
-      (True, True, 1024.0)
-      >>> # A gradient that overflows at this scale (the loss is finite): backed off.
       >>> _, _, out = step(jnp.ones(2), tx.init(jnp.ones(2)), jnp.array([1.0, 1e36]))
       >>> bool(out.skipped), bool(out.nonfinite_loss), float(out.next_loss_scale)
       (True, False, 512.0)
@@ -102,11 +91,7 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
 
 
 def _gradient(loss_fn: Callable[..., Any], has_aux: bool, rest: Any) -> Callable:
-    """``grad(trainable, scale, batch) -> (grads, (loss, aux))`` of the scaled loss.
-
-    The loss is scaled in float32 (or wider); ``rest`` holds the parameters'
-    leaves that are not differentiated.
-    """
+    """``grad(trainable, scale, batch) -> (grads, (loss, aux))``, the loss scaled."""
 
     def scaled_loss(trainable, scale, *batch):
         loss, aux = _loss_and_aux(loss_fn(merge(trainable, rest), *batch), has_aux)
@@ -141,9 +126,7 @@ def _pow2_at_most_inverse(k: int) -> float:
 def _accumulate(grad: Callable, trainable: Any, scale: jax.Array, batch, k: int):
     """The mean gradient of ``k`` micro-batches, accumulated under one scale.
 
-    Each micro-batch's gradient is multiplied by ``pre = 2**-e`` (exact) and
-    added in float32 (or wider); the total is divided by ``k * pre``, in
-    ``(1/2, 1]``, at the end. Returns ``(grads, mean loss, stacked aux)``.
+    Returns ``(grads, mean loss, stacked aux)``.
     """
     pre = _pow2_at_most_inverse(k)
 
@@ -186,10 +169,9 @@ def _scaled_grads(grad: Callable, trainable, scale, batch, k: int, average_over)
 def _retried(scaler: Any, attempt: Callable, first: tuple, max_retries: int):
     """Recomputes the gradients under a backed-off scale while they overflow.
 
-    ``first`` is the first attempt's ``(loss_scale, grads, loss, aux,
-    decision)``; returns the last attempt's, with the number of retries. A
-    retry needs a valid scale that the rule would lower and a finite loss (a
-    non-finite loss is not the scale's fault).
+    A retry needs a valid scale that the rule would lower and a finite loss.
+    Returns the last attempt's ``(loss_scale, grads, loss, aux, decision)`` and
+    the number of retries.
     """
     loss = first[2]
 
@@ -265,34 +247,27 @@ def train_step(
 
     Args:
       loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss, or
-        ``(loss, aux)`` with ``has_aux``. Computed in any precision; jls
-        scales it in float32.
+        ``(loss, aux)`` with ``has_aux``; jls scales it in float32.
       tx: a transformation made by `jls.loss_scaling` (or a `jls.LossScaling`).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       max_retries: recompute the gradients up to this many times with the
-        backed-off scale when they overflow; 0 (default) skips the
-        step at once. Retries are reported in ``StepOutput.retries`` and
-        ``jls.metrics(opt_state)["retries"]``, and are not counted as steps.
+        backed-off scale when they overflow; 0 (default) skips the step at
+        once. Retries are reported, and are not counted as steps.
       accumulation_steps: cut each batch into this many micro-batches along
         the leading axis and accumulate their gradients under one scale.
-      average_over: the ``pmap``/``shard_map`` axis name (or names) to
-        average the gradients and ``StepOutput.loss`` over (``lax.pmean``,
-        after accumulation, before the check); ``aux`` stays each replica's
-        own. The transformation's ``axis_name`` only makes the replicas agree
-        on the skip and the scale. Not needed under ``jit`` over sharded
-        arrays, where the loss is already the global batch's.
+      average_over: the ``pmap``/``shard_map`` axis name (or names) to average
+        the gradients and the loss over, before the check; not needed under
+        ``jit`` over sharded arrays (docs/parallelism.md).
 
     Returns:
       ``step(params, opt_state, *batch) -> (params, opt_state, StepOutput)``.
 
     Raises:
       TypeError: if ``tx`` was not made by `jls.loss_scaling`, ``loss_fn`` is
-        not callable, ``has_aux`` is not a bool or (at trace time) does not
-        match what ``loss_fn`` returns.
-      ValueError: if ``max_retries`` or ``accumulation_steps`` is out of range
-        (or, at trace time, a batch does not split into micro-batches).
-      NameError: at trace time, if an ``average_over`` axis is not bound (the
-        step is not run under ``pmap``/``shard_map`` with that axis).
+        not callable, or ``has_aux`` is not a bool or does not match ``loss_fn``.
+      ValueError: if ``max_retries`` or ``accumulation_steps`` is out of range,
+        or a batch does not split into micro-batches.
+      NameError: at trace time, if an ``average_over`` axis is not bound.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jls

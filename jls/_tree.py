@@ -1,12 +1,8 @@
 """Finding jls's states inside any optax state, and splitting a model.
 
 Lookups are ``optax.tree.get_all_with_path`` by type name (it reaches inside
-optax and flax ``nnx`` optimizer states); `find_one` decides how many were
-found, has the path judged (`jls._composition`) and words the error.
-
-A model may be a whole equinox ``Module``: the fused step and
-`jls.train_step` split off its floating arrays (`split_inexact`,
-`split_frozen`) and `merge` them back, as ``eqx.partition``/``eqx.combine``.
+optax and flax ``nnx`` states). A model may be an equinox ``Module``: the
+step splits off its floating arrays and `merge` puts them back.
 """
 
 from __future__ import annotations
@@ -33,10 +29,7 @@ def find_one(tree: Any, kind: type, what: str, hint: str) -> Any:
 
     Raises:
       ValueError: naming ``what`` and how many were found, then ``hint``; or
-        if it sits in the state of a composition that hides jls from its
-        caller (`jls._composition.check_path`: ``optax.chain`` beside other
-        transformations, ``masked``, ``MultiSteps`` without a skip function,
-        ...).
+        if a composition hides jls from its caller (`jls._composition`).
     """
     found = find_all(tree, kind)
     if len(found) != 1:
@@ -52,23 +45,17 @@ def find_one(tree: Any, kind: type, what: str, hint: str) -> Any:
 def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState:
     """Finds the one `LossScaleState` inside a (nested) optax state.
 
-    Works through the user's containers, flax optimizer states and the
-    wrappers that hand every gradient to jls unchanged; a state where another
-    transformation runs around ``loss_scaling`` is refused, naming the fix
-    (docs/howto/composing.md).
-
     Args:
       opt_state: an optimizer state, or a `LossScaleState` itself.
-      batched: accept a state stacked by ``vmap`` or ``pmap`` (fields of one
-        common shape), as the host readers (`jls.metrics`,
-        `jls.hooks.raise_if_diverged`) do; by default every field is a scalar.
+      batched: accept a state stacked by ``vmap`` or ``pmap``.
 
     Returns:
       The `LossScaleState`.
 
     Raises:
       ValueError: if ``opt_state`` holds no `LossScaleState`, or more than one,
-        or holds it below a transformation that hides jls from its caller.
+        or holds it below a transformation that hides jls from its caller
+        (the message names the fix; docs/howto/composing.md).
 
     Warns:
       UserWarning: if it holds it below another transformation's state.
@@ -76,13 +63,8 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
     Example:
       >>> import jax.numpy as jnp, optax, jls
       >>> tx = jls.loss_scaling(optax.MultiSteps(optax.sgd(0.1), 4))
-      >>> state = tx.init({"w": jnp.zeros(3)})
-      >>> jls.loss_scale_state(state).scale
+      >>> jls.loss_scale_state(tx.init({"w": jnp.zeros(3)})).scale
       Array(32768., dtype=float32)
-      >>> tx = optax.MultiSteps(jls.loss_scaling(optax.sgd(0.1)), 4)
-      >>> jls.loss_scale_state(tx.init({"w": jnp.zeros(3)}))
-      Traceback (most recent call last):
-      ValueError: opt_state is the state of optax.MultiSteps(jls.loss_scaling(...
     """
     state = find_one(
         opt_state,
@@ -118,11 +100,7 @@ def _is_boxed(x: Any) -> bool:
 
 
 def plain(tree: Any) -> Any:
-    """``tree`` with flax ``nnx`` boxes and ``State`` mappings made plain.
-
-    An ``nnx.Optimizer``'s state holds every array in a variable; what jls
-    returns from it (metrics, paths) is plain arrays in plain dicts.
-    """
+    """``tree`` with flax ``nnx`` boxes and ``State`` mappings made plain."""
     if isinstance(tree, Mapping):  # nnx.State is a Mapping, not a dict
         return {key: plain(value) for key, value in tree.items()}
     return jax.tree.map(unwrap, tree, is_leaf=_is_boxed)
@@ -143,8 +121,7 @@ def split_inexact(tree: Any) -> tuple[Any, Any]:
 def split_frozen(params: Any, grads: Any) -> tuple[Any, Any]:
     """``(params that have a gradient, params whose gradient is None)``.
 
-    A ``None`` gradient means "not trained" (equinox's ``filter_spec``
-    partitions, ``eqx.apply_updates``): such parameters pass by unchanged.
+    A ``None`` gradient means "not trained" (as in equinox): those pass by.
 
     Raises:
       TypeError: if ``grads`` does not have the structure of ``params``.

@@ -1,12 +1,9 @@
 """Validation of configuration values, written once for every factory.
 
-Each validator takes the user's own argument name (so a preset names its
-framework's argument, not jls's) and the value, and returns the value as a
-plain Python number or bool, or raises ``TypeError``/``ValueError`` naming
-both. Besides Python numbers they accept what peers document as the same
-thing: numpy scalars and concrete 0-d numpy or JAX arrays (jmp's
-``DynamicLossScale(jnp.float32(2**15))``). Traced values are refused: a
-configuration is fixed when the object is made.
+Each validator takes the user's own argument name (a preset's is its
+framework's) and the value, and returns a plain Python number or bool, or
+raises ``TypeError``/``ValueError`` naming both. Numpy scalars and concrete
+0-d arrays are accepted; traced values are refused.
 """
 
 from __future__ import annotations
@@ -97,8 +94,7 @@ def integer(name: str, value: Any, low: int, high: int = I32_MAX) -> int:
 def factor(name: str, value: Any, *, below_one: bool) -> float:
     """A scale factor, ``>= 1`` or in ``(0, 1]``, that stays itself in float32.
 
-    ``1e39`` is inf in float32 and ``0.99999999`` rounds to 1 (a factor that
-    would never change the scale): both are refused.
+    ``1e39`` (inf) and ``0.99999999`` (rounds to 1) are refused.
     """
     value = real(name, value)
     if below_one and not 0 < value <= 1:
@@ -149,11 +145,7 @@ def flag(name: str, value: Any) -> bool:
 
 
 def state_dict_number(name: str, value: Any) -> float:
-    """A checkpoint's number: a finite real, or an array or list of one element.
-
-    Paddle keeps ``scale`` as a shape-[1] tensor (or a one-element list);
-    strings and bools are refused.
-    """
+    """A checkpoint's finite real, or an array or list of one (Paddle's tensor)."""
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     if not isinstance(value, (numbers.Number, np.generic, str)) and hasattr(

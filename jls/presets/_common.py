@@ -1,10 +1,8 @@
 """What every preset shares: errors that name it and the framework's arguments.
 
-Every preset validates its arguments under the framework's own names (the
-errors name them, prefixed with the preset), then builds the scaler with
-`jls._dynamic.DynamicScale.named` or `jls._static.static_named`, which name
-the fields they check through the preset's mapping of jls's field names to
-the framework's.
+A preset validates its arguments under the framework's names, then builds
+the rule with `jls._dynamic.DynamicScale.named` or `jls._static.static_named`
+through its mapping of jls's field names to the framework's.
 """
 
 from __future__ import annotations

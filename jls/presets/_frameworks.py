@@ -21,17 +21,11 @@ def torch(
 ) -> LossScaler:
     """PyTorch's ``torch.amp.GradScaler``.
 
-    Growth on the ``growth_interval``-th consecutive finite step, skipped if
-    the grown scale is not finite; back-off by ``backoff_factor`` on every
-    non-finite step.
-
-    Differences, only where torch breaks: torch has no floor, so repeated
-    overflows take its float32 scale to 0, where it stays; and because torch
-    checks the *scaled* gradients, below 2**-128 it applies steps whose
-    unscaled gradients overflow. jls stops at ``min_scale`` (default the
-    smallest normal float32, 2**-126) and checks the unscaled gradients.
-    ``enabled=False`` is torch's pass-through: no scaling and no skipping
-    (``jls.no_scale(skip_nonfinite=False)``).
+    torch has no floor: repeated overflows take its scale to 0, where it stays;
+    and it checks the *scaled* gradients, so below 2**-128 it applies steps
+    whose unscaled gradients overflow. jls stops at ``min_scale`` (default
+    2**-126) and checks the unscaled gradients. ``enabled=False`` is torch's
+    pass-through, ``jls.no_scale(skip_nonfinite=False)``.
 
     Example:
       >>> import jls
@@ -70,24 +64,16 @@ def paddle(
 ) -> LossScaler:
     """Paddle's ``paddle.amp.GradScaler`` (and the older ``AmpScaler``).
 
-    The defaults are ``GradScaler``'s in current Paddle (its signature; Paddle
-    2.2 and ``AmpScaler`` used ``init_loss_scaling=2**15``,
-    ``incr_every_n_steps=1000``). The dynamic rule is the dygraph
-    ``_update``: ``incr_count``/``decr_count``, a finite step clears
-    ``decr_count``, back-off once every ``decr_every_n_nan_or_inf``
-    consecutive non-finite steps, growth on the ``incr_every_n_steps``-th
-    consecutive finite step. (``AmpScaler``'s documentation lists
-    ``decr_every_n_nan_or_inf``'s default as 2 while its signature says 1;
-    pass the value you used.)
+    The defaults are current ``GradScaler``'s (``AmpScaler`` used
+    ``init_loss_scaling=2**15``, ``incr_every_n_steps=1000``, and documents
+    ``decr_every_n_nan_or_inf=2`` against its signature's 1: pass yours).
 
-    Differences, only where Paddle breaks: the dygraph scaler has no floor
-    and no growth guard, so its float32 scale can reach 0 or inf and stay
-    there. jls keeps it in ``[min_scale, max_scale]`` (by default the normal
-    float32 range), skipping a growth that would leave it. (Paddle's static
-    ``update_loss_scaling`` op floors at 1: pass ``min_scale=1`` for that.)
+    The dygraph scaler has no floor and no growth guard, so its scale can reach
+    0 or inf and stay; jls keeps it in ``[min_scale, max_scale]`` (the static
+    ``update_loss_scaling`` op floors at 1: pass ``min_scale=1``).
     ``use_dynamic_loss_scaling=False`` is a fixed scale that still skips
     non-finite steps, as Paddle's ``minimize`` does; ``enable=False`` is a
-    pass-through (no scaling, no skipping).
+    pass-through.
 
     Example:
       >>> import jls
@@ -133,22 +119,13 @@ def mindspore(
 ) -> LossScaler:
     """MindSpore's ``DynamicLossScaleManager``.
 
-    From its ``update_loss_scale``: every overflow multiplies the scale by
-    ``1 / scale_factor``, never below 1 (its docstring says the scale
-    decreases "per scale_window"; the code backs off on every overflow),
-    and the scale grows by ``scale_factor`` on the ``scale_window``-th step
-    counted from the last overflow (``(cur_iter - last_overflow_iter) %
-    scale_window == 0``), i.e. every ``scale_window`` consecutive finite
-    steps. Overflow steps are always dropped.
-
-    Differences, only where MindSpore breaks: its growth is unguarded, so the
-    scale grows to inf; jls stops at ``max_scale``. Its scale is a float64
-    Python number: for a ``scale_factor`` that is not a power of two, jls's
-    float32 scale can differ in the last bits. MindSpore raises after 1000
-    consecutive overflows (more than ``bad_step_max``); for the same error
-    make the transformation with
-    ``jls.loss_scaling(..., max_consecutive_skips=1001)`` and call
-    ``jls.hooks.raise_if_diverged(opt_state)``.
+    As its code does (its docstring says "per scale_window"), every overflow
+    divides the scale by ``scale_factor``, never below 1, and the scale grows
+    every ``scale_window`` consecutive finite steps; overflow steps are
+    dropped. Its growth is unguarded (the scale reaches inf); jls stops at
+    ``max_scale``. MindSpore raises after 1000 consecutive overflows: for that,
+    pass ``max_consecutive_skips=1001`` to `jls.loss_scaling` and call
+    `jls.hooks.raise_if_diverged`.
 
     Example:
       >>> import jls
@@ -183,8 +160,6 @@ def mindspore_fixed(
 ) -> LossScaler:
     """MindSpore's ``FixedLossScaleManager``: a fixed scale.
 
-    ``drop_overflow_update=False`` applies overflow steps anyway.
-
     Example:
       >>> import jls
       >>> jls.presets.mindspore_fixed(1024.0, False).skip_nonfinite
@@ -207,19 +182,12 @@ def nnabla(
 ) -> LossScaler:
     """The nnabla ``DynamicLossScalingUpdater``.
 
-    From its ``update``: an overflow divides the scale by ``scaling_factor``
-    and resets the counter; after each applied update, ``if counter > N``
-    the scale is multiplied by ``scaling_factor`` and the counter reset, then
-    the counter is incremented. So the first growth comes on the ``N + 2``-th
-    consecutive finite step after the start or an overflow and later ones
-    every ``N + 1`` steps (its docstring says "every N iterations"); here
-    ``growth_interval=N + 1, first_growth_interval=N + 2``.
-
-    nnabla recomputes an overflowed step with the backed-off scale instead of
-    skipping it; the sequence of scales over the gradient evaluations is the
-    same. Differences, only where nnabla breaks: no floor, so the scale can
-    reach 0; jls stops at ``min_scale``. Its scale is a float64 Python number
-    (see the module notes).
+    Its ``update`` grows ``if counter > N`` before incrementing the counter:
+    the first growth comes on the ``N + 2``-th consecutive finite step, later
+    ones every ``N + 1`` (its docstring says "every N iterations"). nnabla
+    recomputes an overflowed step with the backed-off scale instead of skipping
+    it, with the same scales. It has no floor (the scale can reach 0); jls
+    stops at ``min_scale``.
 
     Example:
       >>> import jls

@@ -19,21 +19,11 @@ def jmp(
 ) -> LossScaler:
     """The jmp ``DynamicLossScale`` (``loss_scale`` is required, as in jmp).
 
-    The scale grows by ``factor`` on the ``period``-th consecutive finite
-    step (``counter == period - 1``) and is divided by ``factor`` on a
-    non-finite step, never below ``min_loss_scale``. ``counter`` is the
-    count of a run being resumed.
-
-    Differences (measured against jmp 0.0.4 under ``jit`` in
-    ``tests/test_live_peers.py``): jmp's hand-written ``tree_flatten`` drops
-    ``min_loss_scale``, so once its state crosses a ``jit`` boundary its floor
-    silently becomes 1.0; jls honours the ``min_loss_scale`` you pass. jmp
-    backs off with ``x / factor``, which XLA compiles into ``x * (1 /
-    factor)``: for a factor that is not a power of two its scale can be one
-    float32 ulp off the exact quotient (factor 3 from 2**15: jmp 3640.8892,
-    jls 3640.889); jls divides exactly. For power-of-two factors (the
-    default 2) the trajectories are bitwise equal. Like jls, jmp only grows
-    to a finite scale.
+    ``counter`` resumes a run. jmp's ``tree_flatten`` drops ``min_loss_scale``,
+    so under ``jit`` its floor silently becomes 1.0; jls honours the floor you
+    pass. jmp's ``x / factor`` compiles to ``x * (1 / factor)``, one float32 ulp
+    off for a factor that is not a power of two; jls divides exactly. With
+    power-of-two factors the two are bitwise equal (``tests/test_live_peers.py``).
 
     Example:
       >>> import jls
@@ -74,15 +64,9 @@ def flax(
     """The flax ``flax.training.dynamic_scale.DynamicScale``.
 
     flax grows when ``fin_steps == growth_interval`` *before* the step, so
-    growth comes on the ``growth_interval + 1``-th consecutive finite step
-    (here ``growth_interval + 1``), and a growth past the float32 maximum
-    lands on it (``saturate_growth``). Back-off multiplies by
-    ``backoff_factor``, never below ``minimum_scale`` (``None``: no floor).
-
-    Differences: with ``minimum_scale=None`` flax's scale can reach 0; jls
-    stops at the smallest normal float32. (flax's weakly typed default scale
-    retraces once and can overflow a float16 loss on step 1; jls's state is
-    always a committed float32.)
+    here ``growth_interval + 1``; a growth past the float32 maximum lands on it.
+    With ``minimum_scale=None`` flax's scale can reach 0; jls stops at the
+    smallest normal float32.
 
     Example:
       >>> import jls

@@ -17,16 +17,11 @@ def keras(
 ) -> LossScaler:
     """Keras 3's ``keras.optimizers.LossScaleOptimizer``.
 
-    The scale doubles on the ``dynamic_growth_steps``-th consecutive finite
-    step and is divided by 2 on every non-finite step.
-
-    Differences, only where Keras breaks (measured against Keras 3.15 with
-    the JAX backend in ``tests/test_live_peers.py``): no floor and no growth
-    guard, so the scale can reach 0 (then 0/0 writes nan into the weights on
-    every step) or inf (then every step is skipped forever); jls keeps it in
-    ``[min_scale, max_scale]``. Keras checks the *scaled* gradients, so below
-    scale 1 it applies a step whose unscaled gradients overflow (inf
-    weights); jls checks the unscaled gradients and skips it.
+    Keras has no floor and no growth guard, so its scale can reach 0 (then 0/0
+    writes nan into the weights) or inf (every step skipped forever); jls keeps
+    it in ``[min_scale, max_scale]``. Keras checks the *scaled* gradients, so
+    below scale 1 it applies a step whose unscaled gradients overflow; jls
+    skips it (``tests/test_live_peers.py``).
 
     Example:
       >>> import jls
@@ -55,12 +50,8 @@ def tensorflow(
 ) -> LossScaler:
     """TensorFlow's ``tf.keras.mixed_precision.LossScaleOptimizer``.
 
-    Dynamic: the scale doubles on the ``dynamic_growth_steps``-th (default
-    2000) consecutive finite step unless the result is not finite, and is
-    divided by 2 on a non-finite step, never below 1. This is jls's own rule;
-    only the floor, 1, and the division differ from `jls.dynamic_scale`'s
-    defaults. ``dynamic=False`` is TensorFlow's fixed scale, which applies
-    every step, finite or not.
+    The dynamic rule, dividing by 2 and never below 1. ``dynamic=False`` is
+    TensorFlow's fixed scale, which applies every step, finite or not.
 
     Example:
       >>> import jls
@@ -97,10 +88,7 @@ def tensorflow_v1(
 ) -> LossScaler:
     """TensorFlow 1's ``tf.compat.v1.mixed_precision.DynamicLossScale``.
 
-    The rule of `tensorflow` with a free ``multiplier``: growth by
-    ``multiplier`` on the ``increment_period``-th consecutive finite step
-    unless the result is not finite; division by ``multiplier`` on a
-    non-finite step, never below 1.
+    `tensorflow`'s rule with a free ``multiplier``, never below 1.
 
     Example:
       >>> import jls

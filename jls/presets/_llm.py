@@ -20,16 +20,10 @@ def megatron(
 ) -> LossScaler:
     """Megatron-LM's ``DynamicGradScaler``.
 
-    Megatron's class has no defaults; these are the ones its training
-    arguments pass (``--initial-loss-scale 2**32``, ``--min-loss-scale 1``,
-    ``--loss-scale-window 1000``, ``--hysteresis 2``, factors 2 and 0.5).
-    Each non-finite step resets the growth tracker and spends one unit of
-    hysteresis; once spent, every non-finite step backs off (never below
-    ``min_scale``) until a growth, on the ``growth_interval``-th consecutive
-    finite step, restores it.
-
-    Differences, only where Megatron breaks: its growth is unguarded (the
-    scale can reach inf); jls stops at ``max_scale``.
+    Megatron's class has no defaults; these are its training arguments'
+    (``--initial-loss-scale 2**32``, ``--min-loss-scale 1``,
+    ``--loss-scale-window 1000``, ``--hysteresis 2``). Its growth is unguarded
+    (the scale can reach inf); jls stops at ``max_scale``.
 
     Example:
       >>> import jls
@@ -68,19 +62,13 @@ def deepspeed(
 ) -> LossScaler:
     """DeepSpeed's ``DynamicLossScaler`` (and its fp16 config block).
 
-    ``init_scale`` (default 2**32) or the config's ``initial_scale_power``;
-    ``delayed_shift`` or the config's ``hysteresis`` (default 1). An overflow
-    spends one unit of hysteresis or, once spent, divides the scale by
-    ``scale_factor`` (never below ``min_scale``). The first growth after the
-    start or an overflow comes on the ``scale_window + 1``-th finite step,
-    later ones every ``scale_window``. A growth restores the hysteresis; with
-    ``consecutive_hysteresis`` any finite step does.
-
-    Differences: DeepSpeed's growth is unguarded (its scale can reach inf);
-    jls stops at ``max_scale``. The scaler cannot raise at ``min_scale``
-    (``raise_error_at_min_scale`` is validated, otherwise unused): to stop
-    the run, use ``jls.loss_scaling(..., max_consecutive_skips=n)`` with
-    ``jls.hooks.raise_if_diverged``.
+    ``init_scale`` or ``initial_scale_power``, ``delayed_shift`` or
+    ``hysteresis``: the class's or the config's names. The first growth after
+    the start or an overflow comes on the ``scale_window + 1``-th finite step.
+    DeepSpeed's growth is unguarded (its scale can reach inf); jls stops at
+    ``max_scale``. ``raise_error_at_min_scale`` is validated, otherwise unused:
+    to stop the run, pass ``max_consecutive_skips`` to `jls.loss_scaling` and
+    use `jls.hooks.raise_if_diverged`.
 
     Example:
       >>> import jls

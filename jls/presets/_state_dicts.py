@@ -1,17 +1,15 @@
-"""State interchange: a jls run's scale and counters to and from other frameworks.
+"""State interchange: a run's scale and counters to and from torch, Paddle, Megatron.
 
-`to_state_dict` and `from_state_dict` carry a run's scale and counters to and
-from the checkpoints of torch's and Paddle's ``GradScaler`` and Megatron's
-``DynamicGradScaler`` (``framework="torch"``, ``"paddle"``, ``"megatron"``):
-one pair, since the three differ only in the dict's keys. Pair them with
-`jls.set_loss_scale` to put the state into an optimizer state.
+One pair of functions, since the three checkpoints differ only in their keys:
+each is a row of `_FORMATS`. Pair them with `jls.set_loss_scale` to put the
+state into an optimizer state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,14 +26,76 @@ from jls.presets._llm import megatron
 Resumed = tuple[LossScaler, LossScaleState]
 
 
-def _state_dict(state_dict: Any) -> Mapping[str, Any]:
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            "state_dict must be a dict (the "
-            f"scaler's state_dict()), got {type(state_dict).__name__}: "
-            f"{state_dict!r:.200}"
+class _Format(NamedTuple):
+    """A framework's checkpoint. Its config keys are its preset's arguments."""
+
+    title: str
+    preset: Callable[..., LossScaler]
+    args: dict[str, str]  # each preset argument: the jls field it sets
+    keys: str  # the dict's keys, in the framework's order
+    off: str | None = None  # the preset's flag whose False writes and reads {}
+    scale_array: bool = False  # ``scale`` a float32 array of shape [1]
+
+
+def _own(*fields: str) -> dict[str, str]:
+    """Arguments named as jls's fields, and the bounds every preset takes."""
+    return {f: f for f in (*fields, "min_scale", "max_scale")}
+
+
+_FACTORS = ("growth_factor", "backoff_factor", "growth_interval")
+_FORMATS = {
+    "torch": _Format(
+        "torch GradScaler",
+        torch,
+        _own("init_scale", *_FACTORS),
+        "scale growth_factor backoff_factor growth_interval _growth_tracker",
+        off="enabled",
+    ),
+    "paddle": _Format(
+        "Paddle GradScaler",
+        paddle,
+        {
+            "init_loss_scaling": "init_scale",
+            "incr_ratio": "growth_factor",
+            "decr_ratio": "backoff_factor",
+            "incr_every_n_steps": "growth_interval",
+            "decr_every_n_nan_or_inf": "backoff_interval",
+            "use_dynamic_loss_scaling": "is_dynamic",
+        }
+        | _own(),
+        "scale incr_ratio decr_ratio incr_every_n_steps decr_every_n_nan_or_inf "
+        "incr_count decr_count use_dynamic_loss_scaling",
+        off="enable",
+        scale_array=True,
+    ),
+    "megatron": _Format(
+        "Megatron DynamicGradScaler",
+        megatron,
+        {"initial_scale": "init_scale"} | _own("hysteresis", *_FACTORS),
+        "scale growth_tracker hysteresis_tracker",
+    ),
+}
+# Each counter's state field, and the field it stays below.
+_COUNTERS = {
+    "_growth_tracker": ("growth_count", "growth_interval"),
+    "incr_count": ("growth_count", "growth_interval"),
+    "growth_tracker": ("growth_count", "growth_interval"),
+    "decr_count": ("backoff_count", "backoff_interval"),
+}
+
+
+def _format(framework: Any) -> _Format:
+    if not isinstance(framework, str) or framework not in _FORMATS:
+        raise ValueError(
+            "framework must be one of 'torch', 'paddle', 'megatron', got "
+            f"{framework!r:.200}"
         )
-    return state_dict
+    return _FORMATS[framework]
+
+
+def _arg(fmt: _Format, field: str) -> str:
+    """The preset's argument that sets ``field``."""
+    return next(arg for arg, f in fmt.args.items() if f == field)
 
 
 def _check_exportable(scaler: LossScaler) -> DynamicScale:
@@ -51,26 +111,18 @@ def _check_exportable(scaler: LossScaler) -> DynamicScale:
     return scaler
 
 
-def _disabled(scaler: LossScaler) -> bool:
-    """Whether ``scaler`` is torch's ``enabled=False`` / Paddle's ``enable=False``."""
-    return scaler == no_scale(skip_nonfinite=False)
+def _same_rule(scaler: DynamicScale, fmt: _Format) -> None:
+    """Refuses ``scaler`` unless the dict reads back as the same rule.
 
-
-def _same_rule(scaler: LossScaler, rebuilt: Callable[[], LossScaler], fmt: str) -> None:
-    """Refuses ``scaler`` unless ``rebuilt()`` (from ``fmt``'s dict) is the same rule.
-
-    The state dict is read back by the framework (and by `from_state_dict`)
-    as ``rebuilt()``; every field but the first
-    scale and growth count (the dict carries the current ones) must match,
-    so that the round trip is exact. Anything else is refused, naming what
-    the format cannot hold.
+    Every field but the first scale and growth count (the dict carries the
+    current ones) must match, so that the round trip is exact.
     """
     try:
-        other = rebuilt()
+        other = fmt.preset(**{a: getattr(scaler, f) for a, f in fmt.args.items()})
     except (TypeError, ValueError) as err:
         raise ValueError(
-            f"scaler cannot be written as a {fmt} state_dict: the framework would "
-            f"refuse it ({err})"
+            f"scaler cannot be written as a {fmt.title} state_dict: the framework "
+            f"would refuse it ({err})"
         ) from None
     fields = [
         f.name
@@ -84,173 +136,40 @@ def _same_rule(scaler: LossScaler, rebuilt: Callable[[], LossScaler], fmt: str) 
             for f in fields
         )
         raise ValueError(
-            f"scaler cannot be written as a {fmt} state_dict, which cannot hold "
-            f"{what}: the run would not resume as it is"
+            f"scaler cannot be written as a {fmt.title} state_dict, which cannot "
+            f"hold {what}: the run would not resume as it is"
         )
 
 
-def _to_torch(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
-    scaler = _check_exportable(scaler)
-    state = loss_scale_state(opt_state)
-    if _disabled(scaler):
-        return {}
-    _same_rule(
-        scaler,
-        lambda: torch(
-            init_scale=scaler.init_scale,
-            growth_factor=scaler.growth_factor,
-            backoff_factor=scaler.backoff_factor,
-            growth_interval=scaler.growth_interval,
-            min_scale=scaler.min_scale,
-            max_scale=scaler.max_scale,
-        ),
-        "torch GradScaler",
-    )
-    return {
-        "scale": state_dict_number("state.scale", state.scale),
-        "growth_factor": scaler.growth_factor,
-        "backoff_factor": scaler.backoff_factor,
-        "growth_interval": scaler.growth_interval,
-        "_growth_tracker": int(state.growth_count),
-    }
+def _written(fmt: _Format, key: str, scaler: DynamicScale, state: Any) -> Any:
+    """The value ``fmt``'s dict holds at ``key``."""
+    if key == "scale" and fmt.scale_array:
+        return np.asarray([state.scale], np.float32)
+    if key == "scale":
+        return state_dict_number("state.scale", state.scale)
+    if key == "hysteresis_tracker":
+        return scaler.hysteresis - int(state.backoff_count)
+    if key in _COUNTERS:
+        return int(getattr(state, _COUNTERS[key][0]))
+    return getattr(scaler, fmt.args[key])
 
 
-def _from_torch(state_dict: Mapping[str, Any], **kwargs: Any) -> Resumed:
-    # enabled=False ignores the dict, as torch's disabled load_state_dict does.
-    if not state_dict or not flag("enabled", kwargs.get("enabled", True)):
-        scaler = torch(**dict(kwargs, enabled=False))
-        return scaler, scaler.init()
-    scale = state_dict_number("state_dict['scale']", state_dict["scale"])
-    tracker = integer("_growth_tracker", state_dict["_growth_tracker"], 0)
-    scaler = torch(
-        init_scale=scale,
-        growth_factor=state_dict["growth_factor"],
-        backoff_factor=state_dict["backoff_factor"],
-        growth_interval=state_dict["growth_interval"],
-        **kwargs,
-    )
-    assert isinstance(scaler, DynamicScale)
-    check(
-        tracker < scaler.growth_interval,
-        f"_growth_tracker must be < growth_interval, got {tracker!r}",
-    )
-    return scaler, make_state(scale, growth_count=tracker)
-
-
-def _to_paddle(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
-    scaler = _check_exportable(scaler)
-    state = loss_scale_state(opt_state)
-    if _disabled(scaler):
-        return {}
-    _same_rule(
-        scaler,
-        lambda: paddle(
-            init_loss_scaling=scaler.init_scale,
-            incr_ratio=scaler.growth_factor,
-            decr_ratio=scaler.backoff_factor,
-            incr_every_n_steps=scaler.growth_interval,
-            decr_every_n_nan_or_inf=scaler.backoff_interval,
-            use_dynamic_loss_scaling=scaler.is_dynamic,
-            min_scale=scaler.min_scale,
-            max_scale=scaler.max_scale,
-        ),
-        "Paddle GradScaler",
-    )
-    return {
-        "scale": np.asarray([state.scale], np.float32),
-        "incr_ratio": scaler.growth_factor,
-        "decr_ratio": scaler.backoff_factor,
-        "incr_every_n_steps": scaler.growth_interval,
-        "decr_every_n_nan_or_inf": scaler.backoff_interval,
-        "incr_count": int(state.growth_count),
-        "decr_count": int(state.backoff_count),
-        "use_dynamic_loss_scaling": scaler.is_dynamic,
-    }
-
-
-def _from_paddle(state_dict: Mapping[str, Any], **kwargs: Any) -> Resumed:
-    if not state_dict or not flag("enable", kwargs.get("enable", True)):
-        scaler = paddle(**dict(kwargs, enable=False))
-        return scaler, scaler.init()
-    scale = state_dict_number("state_dict['scale']", state_dict["scale"])
-    dynamic = flag(
-        "use_dynamic_loss_scaling",
-        state_dict.get("use_dynamic_loss_scaling", True),
-    )
-    scaler = paddle(
-        init_loss_scaling=scale,
-        incr_ratio=state_dict["incr_ratio"],
-        decr_ratio=state_dict["decr_ratio"],
-        incr_every_n_steps=state_dict["incr_every_n_steps"],
-        decr_every_n_nan_or_inf=state_dict["decr_every_n_nan_or_inf"],
-        use_dynamic_loss_scaling=dynamic,
-        **kwargs,
-    )
-    assert isinstance(scaler, DynamicScale)
-    if not dynamic:
-        return scaler, scaler.init()
-    incr = integer("incr_count", state_dict["incr_count"], 0)
-    decr = integer("decr_count", state_dict["decr_count"], 0)
-    check(
-        incr < scaler.growth_interval,
-        f"incr_count must be < incr_every_n_steps, got {incr!r}",
-    )
-    check(
-        decr < max(1, scaler.backoff_interval),
-        f"decr_count must be < decr_every_n_nan_or_inf, got {decr!r}",
-    )
-    return scaler, make_state(scale, growth_count=incr, backoff_count=decr)
-
-
-def _to_megatron(scaler: LossScaler, opt_state: Any) -> dict[str, Any]:
-    scaler = _check_exportable(scaler)
-    state = loss_scale_state(opt_state)
-    _same_rule(
-        scaler,
-        lambda: megatron(
-            initial_scale=scaler.init_scale,
-            min_scale=scaler.min_scale,
-            growth_factor=scaler.growth_factor,
-            backoff_factor=scaler.backoff_factor,
-            growth_interval=scaler.growth_interval,
-            hysteresis=scaler.hysteresis,
-            max_scale=scaler.max_scale,
-        ),
-        "Megatron DynamicGradScaler",
-    )
-    return {
-        "scale": state_dict_number("state.scale", state.scale),
-        "growth_tracker": int(state.growth_count),
-        "hysteresis_tracker": scaler.hysteresis - int(state.backoff_count),
-    }
-
-
-def _from_megatron(state_dict: Mapping[str, Any], **kwargs: Any) -> Resumed:
-    # A hysteresis_tracker at or below 0 (Megatron lets it go negative): spent.
-    scale = state_dict_number("state_dict['scale']", state_dict["scale"])
-    scaler = megatron(initial_scale=scale, **kwargs)
-    assert isinstance(scaler, DynamicScale)
-    tracker = integer("growth_tracker", state_dict["growth_tracker"], 0)
-    check(
-        tracker < scaler.growth_interval,
-        f"growth_tracker must be < growth_interval, got {tracker!r}",
-    )
-    hyst = integer("hysteresis_tracker", state_dict["hysteresis_tracker"], -(2**31))
-    spent = min(max(scaler.hysteresis - int(hyst), 0), scaler.hysteresis)
-    return scaler, make_state(scale, growth_count=tracker, backoff_count=spent)
-
-
-_WRITERS = {"torch": _to_torch, "paddle": _to_paddle, "megatron": _to_megatron}
-_READERS = {"torch": _from_torch, "paddle": _from_paddle, "megatron": _from_megatron}
-
-
-def _framework(framework: Any) -> str:
-    if not isinstance(framework, str) or framework not in _WRITERS:
-        raise ValueError(
-            "framework must be one of 'torch', 'paddle', 'megatron', got "
-            f"{framework!r:.200}"
+def _counts(fmt: _Format, scaler: DynamicScale, sd: Mapping[str, Any]) -> dict:
+    """The dict's counters as the state's, each checked below its interval."""
+    counts = {}
+    for key in (k for k in fmt.keys.split() if k in _COUNTERS):
+        field, interval = _COUNTERS[key]
+        n = integer(key, sd[key], 0)
+        check(
+            n < max(1, getattr(scaler, interval)),
+            f"{key} must be < {_arg(fmt, interval)}, got {n!r}",
         )
-    return framework
+        counts[field] = n
+    if "hysteresis_tracker" in fmt.keys.split():
+        # Megatron's can go negative: at or below 0 the hysteresis is spent.
+        n = integer("hysteresis_tracker", sd["hysteresis_tracker"], -(2**31))
+        counts["backoff_count"] = min(max(scaler.hysteresis - n, 0), scaler.hysteresis)
+    return counts
 
 
 @preset
@@ -260,25 +179,16 @@ def to_state_dict(
     """The loss scaler's ``state_dict()`` that ``framework`` would write.
 
     Args:
-      scaler: the run's scaler: a dynamic rule the framework can hold (a
-        torch scaler has no hysteresis, Megatron no ``backoff_interval``, ...;
-        anything else is refused, naming it, as the run would not resume as
-        it is). Its config fills the framework's config keys.
+      scaler: the run's scaler, a dynamic rule the framework's dict can hold
+        (torch has no hysteresis, ...); anything else is refused, naming it.
       opt_state: an optimizer state containing the run's `LossScaleState`,
         or the `LossScaleState`.
-      framework: whose dict:
-
-        * ``"torch"``: ``torch.amp.GradScaler``'s, ``{"scale",
-          "growth_factor", "backoff_factor", "growth_interval",
-          "_growth_tracker"}`` as Python numbers; ``{}`` for a disabled
-          scaler (``torch(enabled=False)``), as torch's own.
-        * ``"paddle"``: ``paddle.amp.GradScaler``'s: ``scale`` a float32
-          numpy array of shape ``[1]`` (Paddle keeps a tensor there), the
-          ratios, intervals and counters (``incr_count``, ``decr_count``) as
-          Python numbers; ``{}`` for ``paddle(enable=False)``.
-        * ``"megatron"``: ``DynamicGradScaler``'s, ``{"scale",
-          "growth_tracker", "hysteresis_tracker"}``; Megatron keeps its
-          config in its training arguments, not in this dict.
+      framework: ``"torch"`` (``torch.amp.GradScaler``'s keys as Python
+        numbers), ``"paddle"`` (``paddle.amp.GradScaler``'s, ``scale`` a
+        float32 array of shape ``[1]``) or ``"megatron"``
+        (``DynamicGradScaler``'s ``scale``, ``growth_tracker``,
+        ``hysteresis_tracker``; Megatron's config is in its arguments). A
+        disabled torch or Paddle scaler writes ``{}``, as theirs do.
 
     Returns:
       The dict, ready for the framework's ``load_state_dict``.
@@ -288,15 +198,17 @@ def to_state_dict(
 
     Example:
       >>> import jls
-      >>> scaler = jls.presets.torch(init_scale=1024.0)
-      >>> sd = jls.presets.to_state_dict(scaler, scaler.init(), framework="torch")
-      >>> sd["scale"], sd["growth_interval"], sd["_growth_tracker"]
-      (1024.0, 2000, 0)
       >>> scaler = jls.presets.megatron()
       >>> jls.presets.to_state_dict(scaler, scaler.init(), framework="megatron")
       {'scale': 4294967296.0, 'growth_tracker': 0, 'hysteresis_tracker': 2}
     """
-    return _WRITERS[_framework(framework)](scaler, opt_state)
+    fmt = _format(framework)
+    scaler = _check_exportable(scaler)
+    state = loss_scale_state(opt_state)
+    if fmt.off and scaler == no_scale(skip_nonfinite=False):
+        return {}
+    _same_rule(scaler, fmt)
+    return {key: _written(fmt, key, scaler, state) for key in fmt.keys.split()}
 
 
 @preset
@@ -306,21 +218,15 @@ def from_state_dict(
     """A jls scaler and state resuming ``framework``'s loss scaler checkpoint.
 
     Args:
-      state_dict: the framework's ``state_dict()`` (see `to_state_dict`). An
-        empty dict (a disabled torch or Paddle scaler's) gives that disabled
-        preset.
+      state_dict: the framework's ``state_dict()`` (see `to_state_dict`); an
+        empty one, or ``enabled=False`` (``enable=False``), gives the disabled
+        torch (Paddle) preset.
       framework: ``"torch"``, ``"paddle"`` or ``"megatron"``.
-      **kwargs: further arguments of that preset (`torch`, `paddle`,
-        `megatron`), e.g. ``min_scale``, ``max_scale``. torch's
-        ``enabled=False`` and Paddle's ``enable=False`` ignore the dict, as
-        their disabled ``load_state_dict`` does. Megatron's dict holds no
-        config: give the run's (``growth_interval``, ``hysteresis``, ...);
-        its ``initial_scale`` comes from the dict.
+      **kwargs: further arguments of that preset, e.g. ``max_scale``;
+        Megatron's dict holds no config: give the run's (``hysteresis``, ...).
 
     Returns:
-      ``(scaler, state)``: the dict's scale, config and counters. A Megatron
-      ``hysteresis_tracker`` at or below 0 (it can go negative) means the
-      hysteresis is spent.
+      ``(scaler, state)``: the dict's scale, config and counters.
 
     Raises:
       ValueError: for another ``framework``, or a dict the framework would
@@ -333,10 +239,24 @@ def from_state_dict(
       >>> scaler, state = jls.presets.from_state_dict(sd, framework="torch")
       >>> float(state.scale), int(state.growth_count), scaler.growth_interval
       (512.0, 7, 100)
-      >>> sd = {"scale": 2.0**20, "growth_tracker": 3, "hysteresis_tracker": 1}
-      >>> scaler, state = jls.presets.from_state_dict(sd, framework="megatron")
-      >>> int(state.backoff_count), float(scaler.adjust(state, False).scale)
-      (1, 524288.0)
     """
-    read = _READERS[_framework(framework)]
-    return read(_state_dict(state_dict), **kwargs)
+    fmt = _format(framework)
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            "state_dict must be a dict (the scaler's state_dict()), got "
+            f"{type(state_dict).__name__}: {state_dict!r:.200}"
+        )
+    if fmt.off and (not state_dict or not flag(fmt.off, kwargs.get(fmt.off, True))):
+        scaler = fmt.preset(**dict(kwargs, **{fmt.off: False}))
+        return scaler, scaler.init()
+    scale = state_dict_number("state_dict['scale']", state_dict["scale"])
+    config = {
+        k: state_dict.get(k, True) if k == "use_dynamic_loss_scaling" else state_dict[k]
+        for k in fmt.keys.split()
+        if k in fmt.args
+    }
+    scaler = fmt.preset(**{_arg(fmt, "init_scale"): scale}, **config, **kwargs)
+    assert isinstance(scaler, DynamicScale)
+    if not scaler.is_dynamic:
+        return scaler, scaler.init()
+    return scaler, make_state(scale, **_counts(fmt, scaler, state_dict))
