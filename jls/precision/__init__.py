@@ -13,13 +13,13 @@ Example:
   {'float16': 1}
 """
 
-import importlib
-from typing import TYPE_CHECKING
+import importlib as _importlib
+import typing as _typing
 
 from jls.precision._compensated import compensated, stochastic_rounding
 from jls.precision._scaled_state import ScaledState, scaled_state
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from jls.precision._autocast import autocast
     from jls.precision._policy import Policy, get_policy
     from jls.precision._precision import PrecisionReport, precision_report
@@ -49,7 +49,7 @@ _INTERPRETING = {
 
 def __getattr__(name: str) -> object:
     if name in _INTERPRETING:
-        module = importlib.import_module(f"jls.precision.{_INTERPRETING[name]}")
+        module = _importlib.import_module(f"jls.precision.{_INTERPRETING[name]}")
         value = globals()[name] = getattr(module, name)
         return value
     raise AttributeError(f"module 'jls.precision' has no attribute {name!r}")
