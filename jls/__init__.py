@@ -26,7 +26,7 @@ from jls._transformation import LossScaling
 from jls._tree import loss_scale_state
 from jls.hooks._hooks import LossScalingState
 
-__version__ = "0.4.0.dev0"
+__version__ = "0.5.0.dev0"
 
 __all__ = [
     "LossScaleState",
@@ -66,4 +66,35 @@ def __getattr__(name: str) -> object:
                 "jls.flax needs flax: pip install -e '.[flax]' in a checkout of "
                 f"jls, then import jls.flax ({err})"
             ) from None
+    if name in _MOVED:
+        raise AttributeError(
+            f"jls.{name} was removed in jls 0.5: use jls.{_MOVED[name]}.{name}"
+        )
     raise AttributeError(f"module 'jls' has no attribute {name!r}")
+
+
+# Names the top level no longer has, with the namespace that holds them, so
+# that the error of old code names the fix.
+_MOVED = {
+    **dict.fromkeys(
+        (
+            "Hook",
+            "SpikeRule",
+            "ScaleStats",
+            "DivergenceError",
+            "raise_if_diverged",
+            "nonfinite_paths",
+        ),
+        "hooks",
+    ),
+    **dict.fromkeys(
+        (
+            "Policy",
+            "get_policy",
+            "precision_report",
+            "compensated",
+            "stochastic_rounding",
+        ),
+        "precision",
+    ),
+}

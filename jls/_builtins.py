@@ -89,6 +89,12 @@ def keywords_refused(options: Mapping[str, Any]) -> TypeError:
     A feature keyword gets the hooks `jls.loss_scaling` would make (defaults
     included); any other keyword Python's own message.
     """
+    if "donated" in options:
+        return TypeError(
+            "LossScaling takes no donated=: the step is the same whether or not "
+            "the caller donates its state (jax.jit(..., donate_argnums=...)); "
+            "drop the argument"
+        )
     unknown = [name for name in options if name not in FEATURES]
     if unknown:
         return TypeError(
