@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jls._state import LossScaleState
@@ -174,8 +175,24 @@ def _pick(restored: Any, owned, used: set[str], path: tuple, default: Any) -> An
         walked.append(key)
     used.add(_normalised(jax.tree_util.keystr(tuple(walked))))
     if isinstance(default, (jax.Array, np.ndarray, np.generic)):
-        return np.asarray(node, dtype=default.dtype).reshape(default.shape)
+        return np.asarray(node, dtype=_dtype(node, default)).reshape(default.shape)
     return node
+
+
+def _dtype(saved: Any, default: Any) -> Any:
+    """The restored leaf's dtype: the saved one where casting would change bits.
+
+    A float the optimizer widened or narrowed after ``init`` (optax's
+    ``inject_hyperparams`` keeps a float16 parameter's moment in float32) is
+    resumed as saved, so the next step is the one the run would have taken;
+    anything else (Python numbers, float64 of a run under x64) takes the
+    target's dtype.
+    """
+    dtype = getattr(saved, "dtype", None)
+    if dtype is None or dtype == default.dtype:
+        return default.dtype
+    both_float = all(jnp.issubdtype(d, jnp.floating) for d in (dtype, default.dtype))
+    return dtype if both_float and jnp.finfo(dtype).bits <= 32 else default.dtype
 
 
 def _moved_hook_field(path: tuple[Any, ...], depth: int, node: Any) -> tuple | None:
