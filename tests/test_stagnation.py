@@ -424,10 +424,10 @@ def test_reading_holds_no_update_and_copies_at_most_the_old_parameter(donated):
     # conditional over the step's inputs made XLA copy every parameter and
     # moment when the caller donates). Donated, XLA:CPU copies Adam's two
     # moments of w without the hook (the skip's select reads each old moment
-    # after the in-place update), and the read, which compares the old
-    # parameter with the new, copies w once more. At either cycle XLA:CPU
-    # makes the update again inside the read's reduction rather than hold
-    # it: the step holds nothing more than the step without the hook.
+    # after the in-place update), and w once more: XLA:CPU makes the update
+    # and the new parameter again inside the read's reduction, from the old
+    # parameter, rather than hold them. The step holds nothing more than
+    # the step without the hook, at either cycle.
     copies, temp = _compiled((), donated)
     assert copies <= (2 if donated else 0)
     for every in (16, 1):
