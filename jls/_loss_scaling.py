@@ -160,7 +160,7 @@ def _warn_donated(donated: Any) -> None:
     """The DeprecationWarning for ``donated=``, at `loss_scaling`'s caller."""
     warnings.warn(
         f"loss_scaling(donated={donated!r}) is deprecated and ignored: the "
-        "skip compiles without copies whether or not the step donates. "
+        "step is the same whether or not the caller donates its state. "
         "Remove the argument; it is removed in the next release of jls.",
         DeprecationWarning,
         stacklevel=3,

@@ -274,18 +274,6 @@ MAX_FUNCTION_LINES = 80
 MAX_TOP_FILES = 35
 MAX_PACKAGE_LINES = 9000
 MAX_DOCSTRING_SHARE = 0.30
-UNTIL_MERGED = pytest.mark.xfail(strict=True, reason="until the 0.5 refactor merges")
-# Modules that other parts of the 0.5 refactor fix: their params are marked.
-LONG_FUNCTIONS_UNTIL_MERGED: set[str] = set()
-PRIVATE_USES_UNTIL_MERGED: set[str] = set()
-JAX_SRC_UNTIL_MERGED: set[str] = set()
-
-
-def _marked(names: set[str]) -> list:
-    return [
-        pytest.param(name, marks=UNTIL_MERGED) if name in names else name
-        for name in sorted(MODULES)
-    ]
 
 
 def _function_lengths(path: pathlib.Path) -> list[tuple[str, int]]:
@@ -298,7 +286,7 @@ def _function_lengths(path: pathlib.Path) -> list[tuple[str, int]]:
     ]
 
 
-@pytest.mark.parametrize("name", _marked(LONG_FUNCTIONS_UNTIL_MERGED))
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_functions_are_small(name):
     long = [
         (f, n) for f, n in _function_lengths(MODULES[name]) if n > MAX_FUNCTION_LINES
@@ -353,13 +341,13 @@ def _private_uses(path: pathlib.Path) -> list[str]:
     return uses
 
 
-@pytest.mark.parametrize("name", _marked(PRIVATE_USES_UNTIL_MERGED))
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_private_name_is_used_across_modules(name):
     uses = _private_uses(MODULES[name])
     assert not uses, f"{name} uses other modules' private names: {uses}"
 
 
-@pytest.mark.parametrize("name", _marked(JAX_SRC_UNTIL_MERGED))
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_jax_src(name):
     found = []
     for node in ast.walk(ast.parse(MODULES[name].read_text())):
@@ -383,7 +371,6 @@ def _package_lines() -> int:
     return sum(len(p.read_text().splitlines()) for p in MODULES.values())
 
 
-@UNTIL_MERGED
 def test_the_package_is_small():
     assert _package_lines() <= MAX_PACKAGE_LINES
 
@@ -408,7 +395,6 @@ def _docstring_lines(path: pathlib.Path) -> int:
     return total
 
 
-@UNTIL_MERGED
 def test_docstrings_are_at_most_their_share_of_the_package():
     docs = sum(_docstring_lines(p) for p in MODULES.values())
     share = docs / _package_lines()
