@@ -27,6 +27,8 @@ from jls._transformation import config_of
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
+__all__ = ["Optimizer", "TrainState"]
+
 
 class TrainState(train_state.TrainState):
     """linen's ``TrainState`` on jls's fused path; ``step`` counts applied steps.
