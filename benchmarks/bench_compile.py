@@ -28,7 +28,7 @@ on its own, built from public pieces, to show where the time goes:
                   2**126, unscales with one factor.
 
 Run: ``python benchmarks/bench_compile.py [--model lm|mlp|both] [--rounds 3]
-[--parts]``. Needs the ``bench`` extra (flax, jmp).
+[--parts] [--peers]``. Needs the ``bench`` extra (flax, jmp).
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ from bench_step import make_problem, make_variants
 import jls
 
 VARIANTS = ("plain", "jls_fused", "jls_update")
+# --peers: the peers' idioms of bench_step.py (flax's is the same select per
+# leaf that jls compiles; jmp's state cannot be lowered from ``lower``'s
+# argument descriptions, so it is left out).
+PEERS = ("apply_if_finite", "flax_dynamic_scale")
 DONATED = " (donated)"
 
 
@@ -119,13 +123,16 @@ def make_parts(loss_fn, params) -> dict:
     }
 
 
-def run(name: str, rounds: int, seed: int = 0, parts: bool = False) -> dict:
+def run(
+    name: str, rounds: int, seed: int = 0, parts: bool = False, peers: bool = False
+) -> dict:
     """Times every variant's trace and compile on one model."""
     loss_fn, params, batch = make_problem(name)
+    wanted = VARIANTS + (PEERS if peers else ())
     variants = {
         k: v
         for k, v in make_variants(loss_fn, params).items()
-        if k.removesuffix(DONATED) in VARIANTS
+        if k.removesuffix(DONATED) in wanted
     }
     if parts:
         variants.update(make_parts(loss_fn, params))
@@ -183,12 +190,15 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--parts", action="store_true", help="also time jls's pieces one by one"
     )
+    parser.add_argument(
+        "--peers", action="store_true", help="also the peers' idioms (bench_step)"
+    )
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     models = ["lm", "mlp"] if args.model == "both" else [args.model]
     for m in models:
         print()
-        print(report(run(m, args.rounds, parts=args.parts)))
+        print(report(run(m, args.rounds, parts=args.parts, peers=args.peers)))
 
 
 if __name__ == "__main__":
