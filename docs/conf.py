@@ -137,7 +137,7 @@ nitpick_ignore_regex = [
     # jls._config.Config, the TypeVar jls.precision._policy.T, ...): they appear in
     # signatures and bases and, as `jls._measured`, in a docstring, but are
     # not public, so the API reference has no entry for them.
-    (r"py:.*", r"jls\._.*"),
+    (r"py:.*", r"jls(\.\w+)*\._.*"),
     # The same private types named bare: by string annotations, and by
     # jls.precision.precision_report's "Returns:" (PrecisionReport), and the
     # step's frozen Config (jls._config), named in LossScaling's attributes.

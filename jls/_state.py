@@ -16,7 +16,9 @@ import numpy as np
 class LossScaleState(NamedTuple):
     """The dynamic state of a loss scaler: array leaves of fixed dtype.
 
-    Attributes (int32 counters saturate at the int32 maximum):
+    The int32 counters saturate at the int32 maximum.
+
+    Attributes:
       scale: float32, the factor the loss is multiplied by.
       growth_count: int32, finite steps counted towards the next growth.
       backoff_count: int32, non-finite steps counted towards the next
