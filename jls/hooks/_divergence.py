@@ -13,9 +13,9 @@ import numpy as np
 from jax.core import Tracer
 from jax.experimental import checkify
 
-from jls._tree import find_all, loss_scale_state, plain
+from jls._tree import loss_scale_state, plain
 from jls._validate import integer
-from jls.hooks._hooks import Hook, LossScalingState, StepInfo
+from jls.hooks._hooks import Hook, StepInfo, hook_state
 
 # The default divergence limit: a run that skipped this many steps in a row
 # can only skip (DeepSpeed stops at its minimum scale, MindSpore after 1000).
@@ -75,19 +75,14 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
     if limit is not None:
         limit = integer("max_consecutive_skips", limit, 1)
         return state.consecutive_skips >= jnp.int32(limit), str(limit)
-    found = [
-        w.hooks[Divergence.name]
-        for _, w in find_all(opt_state, LossScalingState)
-        if Divergence.name in w.hooks
-    ]
-    if len(found) != 1:
-        raise ValueError(
-            "give max_consecutive_skips, or pass the state of a "
-            "jls.loss_scaling(..., max_consecutive_skips=n) transformation (it "
-            "keeps the diverged flag); found "
-            f"{len(found) or 'none'}"
-        )
-    return plain(found[0].diverged), "set by loss_scaling's max_consecutive_skips"
+    found = hook_state(
+        opt_state,
+        Divergence.name,
+        "give max_consecutive_skips, or pass the state of a "
+        "jls.loss_scaling(..., max_consecutive_skips=n) transformation (it "
+        "keeps the diverged flag)",
+    )
+    return plain(found.diverged), "set by loss_scaling's max_consecutive_skips"
 
 
 def _under_checkify() -> bool:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jls._state import LossScaleState
+from jls._tree import find_all
 
 
 class LossScalingState(NamedTuple):
@@ -254,3 +255,20 @@ def read_hooks_updates(
         )
         reads[hook.name] = lax.cond(jnp.asarray(when), now, zeros)
     return reads
+
+
+def hook_state(opt_state: Any, name: str, needs: str) -> Any:
+    """The state of the one hook named ``name`` in ``opt_state``.
+
+    Raises:
+      ValueError: saying what the caller ``needs``, if no transformation in
+        ``opt_state`` has such a hook, or several do.
+    """
+    found = [
+        w.hooks[name]
+        for _, w in find_all(opt_state, LossScalingState)
+        if name in w.hooks
+    ]
+    if len(found) != 1:
+        raise ValueError(f"{needs}; found {len(found) or 'none'}")
+    return found[0]

@@ -23,10 +23,10 @@ from jax.core import Tracer
 from jls._compat import tracked_in, varying_axes
 from jls._finite import counts
 from jls._shards import global_rows
-from jls._tree import find_all, plain
+from jls._tree import plain
 from jls._validate import integer
 from jls.hooks._blocks import cut_axis, read_block
-from jls.hooks._hooks import Hook, LossScalingState, StepInfo
+from jls.hooks._hooks import Hook, StepInfo, hook_state
 
 
 class StagnationState(NamedTuple):
@@ -211,18 +211,13 @@ def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
         raise ValueError(f"threshold must be a float in (0, 1], got {threshold!r}")
     if not 0 < threshold <= 1:
         raise ValueError(f"threshold must be a float in (0, 1], got {threshold!r}")
-    found = [
-        w.hooks[Stagnation.name]
-        for _, w in find_all(opt_state, LossScalingState)
-        if Stagnation.name in w.hooks
-    ]
-    if len(found) != 1:
-        raise ValueError(
-            "warn_if_stagnant reads the state of a jls.loss_scaling(..., "
-            "hooks=[jls.hooks.Stagnation()]) transformation; found "
-            f"{len(found) or 'none'}"
-        )
-    fraction = plain(found[0]).stagnant_fraction
+    found = hook_state(
+        opt_state,
+        Stagnation.name,
+        "warn_if_stagnant reads the state of a jls.loss_scaling(..., "
+        "hooks=[jls.hooks.Stagnation()]) transformation",
+    )
+    fraction = plain(found).stagnant_fraction
     if isinstance(fraction, Tracer):
         raise TypeError(
             "jls.hooks.warn_if_stagnant was called inside jit (or another jax "
