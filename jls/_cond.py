@@ -62,11 +62,22 @@ def select_tree(apply: jax.Array, new: Any, old: Any) -> Any:
 
     The step, `jls.keep_if_skipped` and ``jls.flax`` all skip through it.
     ``None`` leaves stay ``None``; a leaf of ``new`` that is no array (a
-    function) is returned as it is.
+    function) is returned as it is, and so is a Python number equal to the
+    old one (an optimizer's static setting, used as a shape, stays a number).
     """
-    return jax.tree.map(
-        lambda n, o: select(apply, n, o) if _is_array(n) else n, new, old
-    )
+
+    def kept(n: Any, o: Any) -> Any:
+        if not _is_array(n) or _same_number(n, o):
+            return n
+        return select(apply, n, o)
+
+    return jax.tree.map(kept, new, old)
+
+
+def _same_number(new: Any, old: Any) -> bool:
+    """Whether ``new`` and ``old`` are one Python number (``-0.0`` is not ``0.0``)."""
+    python = (bool, int, float, complex)
+    return type(new) is type(old) and isinstance(new, python) and repr(new) == repr(old)
 
 
 def _is_array(x: Any) -> bool:

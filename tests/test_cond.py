@@ -3,6 +3,7 @@
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
 import functools
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -371,3 +372,53 @@ def test_select_tree_keeps_a_narrow_nan_payload_and_the_old_types(dtype):
         np.testing.assert_array_equal(as_bits, want_bits)
         assert jax.typeof(got["weak"]).weak_type
         assert float(got["weak"]) == float(want["weak"])
+
+
+class _Windowed(NamedTuple):
+    width: Any  # a Python int the optimizer uses as a shape
+    total: Any
+
+
+def _windowed() -> optax.GradientTransformation:
+    def init(params):
+        del params
+        return _Windowed(3, jnp.zeros(()))
+
+    def update(updates, state, params=None):
+        del params
+        window = jnp.ones(state.width)  # needs a concrete int
+        return updates, _Windowed(state.width, state.total + window.sum())
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+def test_a_python_number_in_the_inner_state_stays_a_number(fused):
+    # Eager and traced, over applied and skipped steps: the number the inner
+    # optimizer keeps (equal before and after) is returned as it is.
+    tx = jls.loss_scaling(_windowed(), jls.static_scale(2.0))
+    params = jnp.ones(2)
+
+    def steps(params):
+        state = tx.init(params)
+        for g in (jnp.ones(2), jnp.full(2, jnp.nan), jnp.ones(2)):
+            if fused:
+                params, state = jls.apply_gradients(tx, g, state, params)
+            else:
+                _, state = tx.update(g, state, params)
+        return state.inner_state
+
+    eager = steps(params)
+    assert type(eager.width) is int and eager.width == 3
+    assert float(eager.total) == 6.0  # two applied steps, the nan one skipped
+    traced = jax.jit(steps)(params)
+    assert float(traced.total) == 6.0
+
+
+def test_equal_python_numbers_are_kept_and_others_selected():
+    apply = jnp.asarray(False)
+    kept = _cond.select_tree(apply, {"n": 3}, {"n": 3})["n"]
+    assert type(kept) is int and kept == 3
+    out = _cond.select_tree(apply, {"n": 4, "z": -0.0}, {"n": 3, "z": 0.0})
+    assert int(out["n"]) == 3  # a changed number is selected (as an array)
+    assert str(float(out["z"])) == "0.0"  # -0.0 and 0.0 are not one number
