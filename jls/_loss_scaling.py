@@ -50,8 +50,10 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
         (``jls.train_step(..., max_retries=n)``).
       * ``nonfinite_loss``: whether the latest step's loss (``loss=``) was
         not finite; such a step is skipped with the scale held.
-      * each hook state's ``metrics()`` (`jls.hooks.builtin_metrics` lists
-        the built-in hooks' keys).
+      * ``diverged``: whether ``max_consecutive_skips`` steps in a row were
+        skipped (`loss_scaling`'s default, 1000; `jls.hooks.Divergence`).
+      * each further hook state's ``metrics()`` (`jls.hooks.builtin_metrics`
+        lists the built-in hooks' keys).
 
     Example:
       >>> import jls

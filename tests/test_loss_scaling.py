@@ -367,3 +367,16 @@ def test_the_nonfinite_loss_key_is_recorded_in_every_setting(name):
     assert bool(jls.metrics(after)["skipped"]) == (name == "dynamic")
     _, after = step(grads, after, jnp.float32(1.0))
     assert not bool(jls.metrics(after)["nonfinite_loss"])
+
+
+def test_the_docstring_names_every_key_a_default_transformation_reports():
+    # jls.metrics' "Returns:" lists the keys of jls.loss_scaling(inner)'s
+    # state one by one; hooks added on top are named by builtin_metrics.
+    import re
+
+    doc = jls.metrics.__doc__ or ""
+    returns = doc[doc.index("Returns:") : doc.index("Example:")]
+    named = set(re.findall(r"``(\w+)``", returns))
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    keys = set(jls.metrics(tx.init({"w": jnp.zeros(2)})))
+    assert keys <= named, sorted(keys - named)
