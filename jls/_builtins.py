@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,11 @@ FEATURES: dict[str, Any] = {
 
 def checked_hooks(hooks: Any) -> tuple[Hook, ...]:
     """``hooks`` as a tuple, or a TypeError naming ``hooks``."""
-    if isinstance(hooks, Hook) or not all(isinstance(h, Hook) for h in hooks):
+    if (
+        isinstance(hooks, Hook)
+        or not isinstance(hooks, Iterable)
+        or not all(isinstance(h, Hook) for h in hooks)
+    ):
         raise TypeError(
             f"hooks must be a sequence of jls.hooks.Hook, got {hooks!r:.200}"
         )

@@ -235,6 +235,8 @@ def test_hook_misuse_is_named():
         jls.loss_scaling(optax.sgd(0.1), hooks=SkipHighLoss())
     with pytest.raises(TypeError, match="hooks must be a sequence of jls.hooks.Hook"):
         jls.loss_scaling(optax.sgd(0.1), hooks=[lambda s, i: True])
+    with pytest.raises(TypeError, match="hooks must be a sequence.*got None"):
+        jls.LossScaling(optax.sgd(0.1), hooks=None)  # pyright: ignore[reportArgumentType]
     tx = jls.loss_scaling(optax.sgd(0.1), hooks=[SkipHighLoss()])
     state = tx.init(PARAMS)
     with pytest.raises(TypeError, match=r"\['skip_high_loss'\] watch the loss"):

@@ -544,6 +544,14 @@ def test_bad_state_dicts():
             {"scale": 8.0, "growth_tracker": 5000, "hysteresis_tracker": 2},
             framework="megatron",
         )
+    missing = dict(good)
+    del missing["_growth_tracker"]
+    with pytest.raises(
+        ValueError, match="state_dict has no '_growth_tracker': a torch"
+    ):
+        P.from_state_dict(missing, framework="torch")
+    with pytest.raises(ValueError, match="has no 'hysteresis_tracker': a Megatron"):
+        P.from_state_dict({"scale": 8.0, "growth_tracker": 0}, framework="megatron")
     with pytest.raises(
         TypeError,
         match="scale must be a real number, a real scalar array or a jls.LossScale",

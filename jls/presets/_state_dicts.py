@@ -249,6 +249,13 @@ def from_state_dict(
     if fmt.off and (not state_dict or not flag(fmt.off, kwargs.get(fmt.off, True))):
         scaler = fmt.preset(**dict(kwargs, **{fmt.off: False}))
         return scaler, scaler.init()
+    needed = [k for k in fmt.keys.split() if k != "use_dynamic_loss_scaling"]
+    missing = [k for k in needed if k not in state_dict]
+    if missing:
+        raise ValueError(
+            f"state_dict has no {', '.join(map(repr, missing))}: a {fmt.title}'s "
+            f"state_dict() holds {needed} (got the keys {sorted(state_dict)})"
+        )
     scale = state_dict_number("state_dict['scale']", state_dict["scale"])
     config = {
         k: state_dict.get(k, True) if k == "use_dynamic_loss_scaling" else state_dict[k]
