@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -93,12 +94,6 @@ def keywords_refused(options: Mapping[str, Any]) -> TypeError:
     A feature keyword gets the hooks `jls.loss_scaling` would make (defaults
     included); any other keyword Python's own message.
     """
-    if "donated" in options:
-        return TypeError(
-            "LossScaling takes no donated=: the step is the same whether or not "
-            "the caller donates its state (jax.jit(..., donate_argnums=...)); "
-            "drop the argument"
-        )
     unknown = [name for name in options if name not in FEATURES]
     if unknown:
         return TypeError(
@@ -129,3 +124,14 @@ def _replica_axes(value: Any) -> tuple[str, ...]:
             "check_replicas must be a bool, an axis name or a tuple of axis "
             f"names, got {value!r}"
         ) from None
+
+
+def warn_donated(caller: str, donated: Any) -> None:
+    """The DeprecationWarning for ``donated=``, at ``caller``'s caller."""
+    warnings.warn(
+        f"{caller}(donated={donated!r}) is deprecated and ignored: the step is "
+        "the same whether or not the caller donates its state. Remove the "
+        "argument; it is removed in the next release of jls.",
+        DeprecationWarning,
+        stacklevel=3,
+    )

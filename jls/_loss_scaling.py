@@ -7,14 +7,13 @@ step left in the state (the scale and counters, and each hook's metrics).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import optax
 
-from jls._builtins import hooks_from_options
+from jls._builtins import hooks_from_options, warn_donated
 from jls._core import step
 from jls._inner import Transformation
 from jls._rule import LossScaler
@@ -144,7 +143,7 @@ def loss_scaling(
       (Array([-0., -0.], dtype=float32), Array(2., dtype=float32))
     """
     if donated is not None:
-        _warn_donated(donated)
+        warn_donated("loss_scaling", donated)
     options = hooks_from_options(
         hooks,
         diagnostics=diagnostics,
@@ -156,17 +155,6 @@ def loss_scaling(
     )
     scaling = LossScaling(inner, scaler, axis_name=axis_name, hooks=options)
     return scaling.gradient_transformation()
-
-
-def _warn_donated(donated: Any) -> None:
-    """The DeprecationWarning for ``donated=``, at `loss_scaling`'s caller."""
-    warnings.warn(
-        f"loss_scaling(donated={donated!r}) is deprecated and ignored: the "
-        "step is the same whether or not the caller donates its state. "
-        "Remove the argument; it is removed in the next release of jls.",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 def apply_gradients(

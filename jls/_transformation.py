@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import optax
 
-from jls._builtins import keywords_refused
+from jls._builtins import keywords_refused, warn_donated
 from jls._composition import check_not_masked, not_loss_scaling
 from jls._config import Config, make_config
 from jls._core import step
@@ -62,6 +62,8 @@ class LossScaling:
         hooks: Sequence[Hook] = (),
         **options: Any,
     ) -> None:
+        if "donated" in options:  # deprecated, as loss_scaling's
+            warn_donated("LossScaling", options.pop("donated"))
         if options:  # jls.loss_scaling's feature keywords: say which hooks
             raise keywords_refused(options)
         self.config = make_config(inner, scaler, axis_name=axis_name, hooks=hooks)

@@ -122,10 +122,12 @@ def test_the_object_takes_hooks_only_and_names_other_keywords_as_python_does():
     }
     with pytest.raises(TypeError, match="unexpected keyword argument 'axis_nam'"):
         jls.LossScaling(optax.sgd(0.1), axis_nam="batch")
-    with pytest.raises(
-        TypeError, match="LossScaling takes no donated=.*drop the argument"
-    ):
-        jls.LossScaling(optax.sgd(0.1), donated=True)
+    # donated= is deprecated here too (it was LossScaling's in 0.4): a warning.
+    with pytest.warns(DeprecationWarning, match=r"LossScaling\(donated=True\)"):
+        scaling = jls.LossScaling(optax.sgd(0.1), donated=True)
+    assert scaling.hooks == jls.LossScaling(optax.sgd(0.1)).hooks
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="hooks"):
+        jls.LossScaling(optax.sgd(0.1), donated=True, gradient_norm=True)
     # Bare, it has the always-on hook only: the divergence flag is
     # loss_scaling's default, or a hook.
     assert [h.name for h in jls.LossScaling(optax.sgd(0.1)).hooks] == ["nonfinite_loss"]

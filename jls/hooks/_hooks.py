@@ -42,10 +42,6 @@ class LossScalingState(NamedTuple):
     hooks: dict[str, Any] = {}
 
 
-# The name jls 0.3 gave it (kept for code that imported it from here).
-WrapperState = LossScalingState
-
-
 class HookContext(NamedTuple):
     """What a hook may check its compatibility against (`Hook.check`).
 
