@@ -3,11 +3,16 @@
 Under ``shard_map(check_vma=True)`` jax already sums the gradient of a
 parameter invariant over an axis, so `local` marks such parameters varying
 and `mean` averages once (in float32 at least), dividing the summed ones by
-the axis size. docs/parallelism.md has the table of meshes.
+the axis size. Where jax sums a float16 gradient so (an FSDP ``all_gather``
+transposes to a float16 ``psum_scatter``), the loss is scaled by `share`,
+``2**-k`` for ``2**k`` >= the replicas, and `mean` multiplies it back,
+exactly: the sum overflows only where one replica's own gradient would.
+docs/parallelism.md has the table of meshes.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -35,27 +40,77 @@ def local(trainable: Any, axes: tuple[str, ...]) -> tuple[Any, Any]:
     return marked, summed
 
 
-def mean(grads: Any, loss: jax.Array, axes: tuple[str, ...], summed: Any) -> Any:
-    """``(grads, loss)`` averaged over ``axes`` in float32 at least, in their dtypes."""
+def pow2_at_most_inverse(k: int) -> float:
+    """``2**-e`` for the smallest ``e`` with ``2**e >= k``."""
+    return 2.0 ** -((k - 1).bit_length())
 
-    def leaf(g: jax.Array, done: tuple[str, ...]) -> jax.Array:
-        wide = g.astype(compute_dtype(g.dtype))
-        todo = tuple(a for a in axes if a not in done)
-        total = lax.psum(wide, todo) if todo else wide
-        return (total / _size(axes)).astype(g.dtype)
 
+def replicas(axes: tuple[str, ...]) -> int:
+    """The number of replicas over ``axes``; a `NameError` naming the fix if unbound."""
     try:
-        grads = jax.tree.map(leaf, grads, summed)
-        loss = lax.pmean(loss.astype(jnp.float32), axes)
+        return lax.axis_size(axes)
     except NameError as e:
         raise NameError(
             f"train_step(average_over={axes!r}): {e}. Run the step under "
             "jax.pmap or jax.shard_map with that axis name (under jit over "
             "sharded arrays the gradients are global: drop average_over)"
         ) from e
-    return grads, loss
 
 
-def _size(axes: tuple[str, ...]) -> jax.Array:
-    """The number of replicas over ``axes``, as float32."""
-    return lax.psum(jnp.float32(1), axes)
+def share(trainable: Any, summed: Any, axes: tuple[str, ...]) -> float:
+    """``2**-k`` if jax sums a float16 (or narrower) gradient over ``axes``, else 1."""
+    narrow = jax.tree.map(
+        lambda x, s: bool(s) and jnp.finfo(x.dtype).maxexp < 128, trainable, summed
+    )
+    return pow2_at_most_inverse(replicas(axes)) if any(jax.tree.leaves(narrow)) else 1.0
+
+
+def mean(
+    grads: Any, loss: jax.Array, axes: tuple[str, ...], summed: Any, shared: float
+) -> Any:
+    """``(grads, loss)`` averaged over ``axes`` in float32 at least, in their dtypes.
+
+    ``grads`` are of a loss scaled by ``shared`` (`share`) too, divided out.
+    """
+    n = replicas(axes)
+
+    def leaf(g: jax.Array, done: tuple[str, ...]) -> jax.Array:
+        wide = g.astype(compute_dtype(g.dtype))
+        todo = tuple(a for a in axes if a not in done)
+        total = lax.psum(wide, todo) if todo else wide
+        return (total / jnp.asarray(n * shared, wide.dtype)).astype(g.dtype)
+
+    loss = lax.pmean(loss.astype(jnp.float32), axes)
+    return jax.tree.map(leaf, grads, summed), loss
+
+
+def warn_partitioned(trainable: Any, batch: Any) -> None:
+    """Warns where XLA's partitioner will sum float16 gradients across devices.
+
+    It does where the batch is split over a mesh axis (each device's part of
+    a weight gradient is summed over it; a tensor-parallel weight's is not).
+    Told only where the traced values carry their shardings (arrays placed on
+    a mesh of ``AxisType.Explicit`` axes), not on one of ``Auto`` axes.
+    """
+    if any(x.dtype == jnp.float16 for x in jax.tree.leaves(trainable)) and any(
+        map(_partitioned, jax.tree.leaves(batch))
+    ):
+        warnings.warn(
+            "train_step: float16 parameters under jax.jit over a sharded batch: "
+            "XLA sums their gradients across devices in float16, which jls "
+            "cannot widen. Keep float32 parameters, or run the step under "
+            "jax.shard_map with average_over; jls.precision.precision_report("
+            "jax.jit(step).lower(*args).compile()) lists each collective's dtype",
+            stacklevel=4,
+        )
+
+
+def _partitioned(x: Any) -> bool:
+    """Whether ``x``'s traced value is split over a mesh axis of size > 1."""
+    sharding = (
+        getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+    )
+    sizes = getattr(getattr(sharding, "mesh", None), "shape", None) or {}
+    spec = getattr(sharding, "spec", None) or ()
+    axes = [a for e in spec for a in (e if isinstance(e, tuple) else (e,))]
+    return any(sizes.get(a, 1) > 1 for a in axes if a is not None)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jls._average import local, mean
+from jls._average import local, mean, pow2_at_most_inverse, share, warn_partitioned
 from jls._compat import pvary, varying_axes
 from jls._core import finish, prepare, validate
 from jls._decision import decide
@@ -118,17 +118,12 @@ def _split(batch: tuple, k: int) -> tuple:
     return jax.tree.map(cut, batch)
 
 
-def _pow2_at_most_inverse(k: int) -> float:
-    """``2**-e`` for the smallest ``e`` with ``2**e >= k``."""
-    return 2.0 ** -((k - 1).bit_length())
-
-
 def _accumulate(grad: Callable, trainable: Any, scale: jax.Array, batch, k: int):
     """The mean gradient of ``k`` micro-batches, accumulated under one scale.
 
     Returns ``(grads, mean loss, stacked aux)``.
     """
-    pre = _pow2_at_most_inverse(k)
+    pre = pow2_at_most_inverse(k)
 
     def micro(acc, b):
         g, (loss, aux) = grad(trainable, scale, b)
@@ -156,13 +151,16 @@ def _accumulate(grad: Callable, trainable: Any, scale: jax.Array, batch, k: int)
 def _scaled_grads(grad: Callable, trainable, scale, batch, k: int, average_over):
     """``(grads, loss, aux)`` of one attempt: accumulated, then averaged."""
     trainable, summed = local(trainable, average_over)
+    shared = share(trainable, summed, average_over) if average_over else 1.0
+    if shared != 1.0:  # jax sums float16 gradients over replicas (_average)
+        scale = scale * jnp.float32(shared)
     if k == 1:
         grads, (loss, aux) = grad(trainable, scale, batch)
         loss = jnp.asarray(loss, jnp.float32)
     else:
         grads, loss, aux = _accumulate(grad, trainable, scale, batch, k)
     if average_over:
-        grads, loss = mean(grads, loss, average_over, summed)
+        grads, loss = mean(grads, loss, average_over, summed, shared)
     return grads, loss, aux
 
 
@@ -200,6 +198,8 @@ def _make_step(config, loss_fn, has_aux, max_retries, k, average_over) -> Callab
         # integer arrays.
         trainable, rest = split_inexact(params)
         grad = _gradient(loss_fn, has_aux, rest)
+        if not average_over:
+            warn_partitioned(trainable, batch)
 
         def attempt(loss_scale: LossScaleState):
             grads, loss, aux = _scaled_grads(

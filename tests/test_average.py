@@ -7,15 +7,17 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jls._average import local, mean
+from jls._average import local, mean, pow2_at_most_inverse, share
 from jls._compat import varying_axes
 
 
 def test_a_float16_mean_does_not_overflow_where_the_sum_would():
-    grads = jnp.full((4, 3), 30000.0, jnp.float16)  # the sum, 120000, is inf
+    # Each replica's gradient is 30000 (their float16 sum, 120000, is inf),
+    # of a loss scaled by share=1/4 too: 7500 each, summed to 30000 at most.
+    grads = jnp.full((4, 3), 30000.0 / 4, jnp.float16)
 
     def f(g, loss):
-        return mean({"w": g}, loss, ("r",), {"w": ()})
+        return mean({"w": g}, loss, ("r",), {"w": ()}, 0.25)
 
     out, loss = jax.vmap(f, axis_name="r")(grads, jnp.arange(4.0, dtype=jnp.float16))
     assert out["w"].dtype == jnp.float16
@@ -25,7 +27,7 @@ def test_a_float16_mean_does_not_overflow_where_the_sum_would():
 
 def test_an_unbound_axis_names_the_fix():
     with pytest.raises(NameError, match="average_over=\\('nope',\\).*jax.pmap"):
-        jax.jit(lambda g: mean(g, jnp.float32(0), ("nope",), ()))(jnp.ones(2))
+        jax.jit(lambda g: mean(g, jnp.float32(0), ("nope",), (), 1.0))(jnp.ones(2))
 
 
 def _traced_under_check_vma(fn):
@@ -60,15 +62,56 @@ def test_replicated_parameters_are_marked_local_and_sharded_ones_are_summed():
 
 def test_a_summed_gradient_is_divided_not_summed_again():
     def fn(replicated, sharded):
-        jaxpr = jax.make_jaxpr(lambda g: mean(g, jnp.float32(0), ("data",), ("data",)))
+        jaxpr = jax.make_jaxpr(
+            lambda g: mean(g, jnp.float32(0), ("data",), ("data",), 1.0)
+        )
         return {"jaxpr": str(jaxpr(sharded))}
 
     jaxpr = _traced_under_check_vma(fn)["jaxpr"]
-    # Only the loss and the replica count are reduced: the gradient is not.
-    assert jaxpr.count("psum") == 2
+    # Only the loss is reduced: the gradient is not.
+    assert jaxpr.count("psum") == 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_the_shared_scale_is_multiplied_back_bitwise(n):
+    # Scaling the loss by share = 2**-k (2**k >= n) and dividing the sum by
+    # n * share gives what dividing the unshared sum by n does, bit for bit.
+    rng = np.random.default_rng(n)
+    grads = jnp.asarray(rng.normal(size=(n, 64)) * 2.0 ** rng.integers(-20, 20, 64))
+    grads = grads.astype(jnp.float32)
+
+    s = pow2_at_most_inverse(n)
+    assert s == 2.0 ** -((n - 1).bit_length()) and 0.5 < s * n <= 1
+
+    def shared(g):
+        return mean({"w": g * jnp.float32(s)}, jnp.float32(0), ("r",), {"w": ()}, s)[0]
+
+    got = jax.vmap(shared, axis_name="r")(grads)["w"]
+    want = jax.vmap(lambda g: jax.lax.psum(g, "r") / n, axis_name="r")(grads)
+    np.testing.assert_array_equal(
+        np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)
+    )
 
 
 def test_without_varying_axes_nothing_is_marked():
     params = {"w": jnp.ones(2)}
     marked, summed = local(params, ())
     assert marked is params and summed == {"w": ()}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "summed", "want"),
+    [
+        (jnp.float16, ("r",), 0.25),  # 2**2 >= 3 replicas
+        (jnp.float16, (), 1.0),  # its own gradient: jls sums it in float32
+        (jnp.bfloat16, ("r",), 1.0),  # float32's range: no overflow to avoid
+        (jnp.float32, ("r",), 1.0),
+    ],
+)
+def test_the_loss_is_shared_only_where_jax_sums_a_float16_gradient(dtype, summed, want):
+    def fn(x):
+        params = {"a": jnp.ones(2, jnp.float32), "b": x.astype(dtype)}
+        return jnp.float32(share(params, {"a": ("r",), "b": summed}, ("r",)))
+
+    got = jax.vmap(fn, axis_name="r")(jnp.ones((3, 2)))
+    assert got.tolist() == [want] * 3

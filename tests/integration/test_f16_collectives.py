@@ -45,3 +45,37 @@ def test_a_gathered_float16_parameter_steps_with_its_finite_mean(fsdp, k):
     assert not got["skipped"] and got["next_scale"] == 1024.0
     # 1 - 2**-5 * 30000 / 1024, exact in float16: the mean, not the sum.
     assert got["params"] == [0.08447265625] * 8
+
+
+@pytest.fixture(scope="module")
+def jit():
+    return run_script("jit")
+
+
+def test_the_partitioners_float16_gradient_sum_is_listed_and_warned_about(jit):
+    # Under jit over a batch sharded on "data" XLA sums the float16 weight
+    # gradient in float16: the report of the compiled step lists it, and
+    # train_step said so at trace time, naming the fixes.
+    got = jit["f16"]
+    assert ["all-reduce", "float16", "jit(step)/transpose(jvp())/dot_general"] in (
+        got["collectives"]
+    )
+    assert len(got["warnings"]) == 1
+    for fix in ("float32 parameters", "shard_map with average_over", "compile()"):
+        assert fix in got["warnings"][0]
+
+
+def test_float32_parameters_send_float32_and_are_not_warned_about(jit):
+    assert jit["f32"]["warnings"] == []
+    assert {op[1] for op in jit["f32"]["collectives"]} == {"float32"}
+    assert jit["f16_one_device"] == {"warnings": [], "collectives": []}
+
+
+def test_on_a_mesh_of_auto_axes_the_trace_cannot_tell(jit):
+    # The gap docs/parallelism.md states: the traced values carry no sharding
+    # there, so only the compiled report shows the float16 all-reduce.
+    got = jit["f16_auto"]
+    assert got["warnings"] == []
+    assert ["all-reduce", "float16", "jit(step)/transpose(jvp())/dot_general"] in (
+        got["collectives"]
+    )

@@ -1,7 +1,7 @@
 """float16 gradients meet collectives on 8 host devices: a JSON report.
 
-Run by tests/integration/test_f16_collectives.py (``fsdp``) and
-tests/test_collectives.py (``jit``) in a subprocess with
+Run by tests/integration/test_f16_collectives.py (``fsdp``, ``jit``) in a
+subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8.
 
 ``fsdp``: float16 parameters sharded over "data" and gathered in the forward
@@ -13,6 +13,7 @@ and what ``jls.train_step`` warns at trace time.
 
 import json
 import sys
+import warnings
 import warnings
 
 import jax
@@ -64,6 +65,37 @@ if PART == "fsdp":
             "skipped": bool(out.skipped),
             "next_scale": float(out.next_loss_scale),
             "params": np.asarray(new, np.float32).tolist(),
+        }
+
+if PART == "jit":
+    AxisType = jax.sharding.AxisType
+
+    def mean_loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w).astype(jnp.float32) ** 2)
+
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype(np.float16)
+    for name, dtype, axis_type, shard in [
+        ("f16", jnp.float16, AxisType.Explicit, True),
+        ("f32", jnp.float32, AxisType.Explicit, True),
+        ("f16_auto", jnp.float16, AxisType.Auto, True),
+        ("f16_one_device", jnp.float16, AxisType.Explicit, False),
+    ]:
+        mesh = jax.make_mesh((4,), ("data",), (axis_type,), devices=jax.devices()[:4])
+        tx = jls.loss_scaling(optax.sgd(0.1), jls.dynamic_scale())
+        w = jnp.full((8, 16), 0.1, dtype)
+        args = (w, tx.init(w), x.astype(dtype))
+        if shard:
+            specs = (P(), P(), P("data"))
+            args = [
+                jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)
+            ]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = jax.jit(jls.train_step(mean_loss, tx)).lower(*args).compile()
+        sent = jls.precision.precision_report(compiled).collectives
+        report[name] = {
+            "warnings": [str(w.message) for w in caught],
+            "collectives": [list(op) for op in sent],
         }
 
 print(json.dumps(report))
