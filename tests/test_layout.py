@@ -51,7 +51,11 @@ LAYERS = [
     ["jls._transformation"],
     ["jls._loss_scaling"],
     ["jls._set_scale", "jls._checkpoint", "jls._step"],
-    ["jls.precision._primitives", "jls.precision._interpret"],
+    [
+        "jls.precision._primitives",
+        "jls.precision._interpret",
+        "jls.precision._collectives",
+    ],
     ["jls.precision._cast_eval"],
     ["jls.precision._autocast"],
     ["jls.precision._policy", "jls.precision._precision"],

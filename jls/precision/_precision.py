@@ -16,9 +16,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jls.precision._collectives import compiled_collectives
 from jls.precision._interpret import is_literal, trace
 from jls.precision._primitives import COLLECTIVES, FLOAT32, MATMULS
 
@@ -58,7 +60,8 @@ class PrecisionReport:
         (``softmax``, ``exp``, ``log``, ``reduce_sum``...: those
         `jls.precision.autocast` computes in float32).
       collectives: every collective of the program (``psum``,
-        ``all_gather``...), one per dtype it sends.
+        ``all_gather``...), one per dtype it sends; of a compiled one, XLA's
+        (``all-reduce``...), ``where`` the jax op each came from.
     """
 
     counts: dict[str, int]
@@ -238,7 +241,7 @@ def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
 
 
 def precision_report(
-    fn: Callable[..., Any], *args: Any, **kwargs: Any
+    fn: Callable[..., Any] | jax.stages.Lowered, *args: Any, **kwargs: Any
 ) -> PrecisionReport:
     """Which dtype each matmul and convolution of ``fn(*args, **kwargs)`` runs in.
 
@@ -248,8 +251,13 @@ def precision_report(
     and its collectives by dtype. Pass the model as an argument: a model
     closed over is traced as constants, in whatever dtype it holds.
 
+    Of a compiled step (``jax.jit(step).lower(*args).compile()``) it lists
+    only the collectives, XLA partitioner's included (a float16 gradient
+    summed across devices: an ``all-reduce`` of ``float16``).
+
     Args:
-      fn: the function to trace: a forward pass, a loss, a whole train step.
+      fn: the function to trace: a forward pass, a loss, a whole train step;
+        or a ``jax.stages.Compiled`` (or ``Lowered``) step, without arguments.
       *args: its arguments; arrays are traced, other leaves passed as they
         are.
       **kwargs: its keyword arguments, likewise.
@@ -274,6 +282,15 @@ def precision_report(
       >>> jls.precision.precision_report(closed, x).counts
       {'float32': 1}
     """
+    if isinstance(fn, jax.stages.Lowered):
+        fn = fn.compile()
+    if isinstance(fn, jax.stages.Compiled):
+        if args or kwargs:
+            raise TypeError(
+                "precision_report(compiled): a compiled step takes no arguments"
+            )
+        sent = (Op(*op) for op in compiled_collectives(fn.as_text() or ""))
+        return PrecisionReport(counts={}, ops=(), info=(), collectives=tuple(sent))
     found = _Found([], [], Counter(), [])
     _walk(trace(fn, args, kwargs).closed.jaxpr, found)
     numerics: dict[str, dict[str, int]] = {}
