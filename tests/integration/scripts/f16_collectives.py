@@ -14,7 +14,6 @@ and what ``jls.train_step`` warns at trace time.
 import json
 import sys
 import warnings
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +86,8 @@ if PART == "jit":
         if shard:
             specs = (P(), P(), P("data"))
             args = [
-                jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)
+                jax.device_put(a, NamedSharding(mesh, s))
+                for a, s in zip(args, specs, strict=True)
             ]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
