@@ -286,7 +286,9 @@ def test_a_float32_value_the_program_casts_to_float16_is_cast():
     # A float32 bias the program casts to float16 never was float16: the cast
     # is bound, the add stays float16 (only what autocast widened stays wide).
     def fn(b, x):
-        return jnp.tanh(x) + b.astype(F16)[None]
+        return (
+            jnp.tanh(x) + b.astype(F16)[None] + jax.lax.iota(F16, 4)[None]
+        )  # no operand
 
     ops = _ops(jls.precision.autocast(fn), jnp.zeros(4), X.astype(F16))
     assert ("add", ("float16", "float16"), ("float16",)) in ops

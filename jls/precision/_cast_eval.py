@@ -66,8 +66,11 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v, env) for v in eqn.invars]
         seen = min(
-            (_width(v, x) if is_literal(v) else narrowest[v])
-            for v, x in zip(eqn.invars, invals, strict=True)
+            [
+                _width(v, x) if is_literal(v) else narrowest[v]
+                for v, x in zip(eqn.invars, invals, strict=True)
+            ],
+            default=_WIDEST,
         )
         if _casts_back(eqn, invals, seen):
             outs = invals  # held in the wider dtype it was computed in
