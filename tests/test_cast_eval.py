@@ -7,7 +7,9 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import jls
 
@@ -214,3 +216,79 @@ def test_closed_over_arrays_and_outer_tracers():
     chex.assert_trees_all_close(outer(W, X), jax.grad(lambda w: (X @ w).sum())(W))
     report = jls.precision.precision_report(outer, W, X)
     assert set(report.counts) == {"float16"}
+
+
+# A float16 program sums in float32 and casts back (jax's sum of float16 is
+# convert, reduce, convert): autocast holds the sum wide, so a log or sqrt
+# brings it back into range, and the result is float32's within float16
+# rounding, forward and backward.
+V = 100_000
+LOGITS = (jax.random.normal(jax.random.key(3), (V,)) / 32).astype(F16)  # sum > 65504
+LARGE = jax.random.uniform(jax.random.key(4), (512,), minval=16, maxval=32).astype(F16)
+
+
+def _lse(x):
+    return jax.nn.logsumexp(x)
+
+
+def _norm(x):
+    return jnp.linalg.norm(x)
+
+
+def _ulps(got, want):
+    """How many float16 ulps (of ``want``) ``got`` is from ``want``."""
+    want = np.asarray(want, np.float32)
+    spacing = np.spacing(np.abs(want).astype(F16)).astype(np.float32)
+    return np.abs(np.asarray(got, np.float32) - want) / np.maximum(spacing, 2.0**-24)
+
+
+@pytest.mark.parametrize("fn, x", [(_lse, LOGITS), (_norm, LARGE)])
+def test_a_float16_sum_is_held_wide_until_a_log_or_sqrt(fn, x):
+    cast = jls.precision.autocast(fn)
+    assert np.isinf(fn(x))  # the float16 program overflows
+    got, want = cast(x), fn(x.astype(F32))
+    assert got.dtype == F16  # the output keeps its declared dtype
+    assert got == want.astype(F16), (got, want)  # float32's, rounded once
+    grad, want_grad = jax.grad(cast)(x), jax.grad(fn)(x.astype(F32))
+    assert grad.dtype == F16
+    assert np.max(_ulps(grad, want_grad)) <= 1, np.max(_ulps(grad, want_grad))
+    # The sum is held in float32: no narrowing convert between it and the log/sqrt.
+    ops = [(n, o) for n, _, o in _ops(cast, x)]
+    sums = [i for i, (n, _) in enumerate(ops) if n == "reduce_sum"]
+    assert ops[sums[0] + 1] != ("convert_element_type", ("float16",)), ops
+
+
+def test_a_float16_cross_entropy_through_nnx_linear_equals_float32s():
+    init = nnx.initializers.normal(0.01)
+    model = nnx.Linear(
+        8, V, dtype=F16, param_dtype=F32, kernel_init=init, rngs=nnx.Rngs(0)
+    )
+    x, y = jax.random.normal(jax.random.key(5), (4, 8)), jnp.arange(4) * 7
+
+    def loss(model, x, y, wide=False):
+        logits = model(x)
+        logits = logits.astype(F32) if wide else logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    cast = jls.precision.autocast(loss)
+    assert np.isinf(loss(model, x, y))
+    got, want = cast(model, x, y), loss(model, x, y, wide=True)
+    assert got.dtype == F16 and got == want.astype(F16), (got, want)
+    assert abs(float(want) - 11.5) < 0.5
+    grads = nnx.grad(cast)(model, x, y)
+    want_grads = nnx.grad(lambda m: loss(m, x, y, wide=True))(model)
+    # The matmul's backward is float16 in both: its ~1e-6 entries are float16
+    # subnormals, a few subnormal steps (2^-24) apart.
+    chex.assert_trees_all_close(grads, want_grads, rtol=4e-3, atol=8 * 2.0**-24)
+
+
+def test_a_float32_value_the_program_casts_to_float16_is_cast():
+    # A float32 bias the program casts to float16 never was float16: the cast
+    # is bound, the add stays float16 (only what autocast widened stays wide).
+    def fn(b, x):
+        return (
+            jnp.tanh(x) + b.astype(F16)[None] + jax.lax.iota(F16, 4)[None]
+        )  # no operand
+
+    ops = _ops(jls.precision.autocast(fn), jnp.zeros(4), X.astype(F16))
+    assert ("add", ("float16", "float16"), ("float16",)) in ops

@@ -275,3 +275,16 @@ def test_collectives_are_listed_with_the_dtype_they_send():
     ]
     assert all(op.where.startswith("test_precision.py:") for op in report.collectives)
     assert "collectives:\n  psum float16 at test_precision.py:" in str(report)
+
+
+def test_the_report_says_the_dtype_a_sum_is_held_in():
+    x = jnp.ones(8, F16)
+    lse = jax.nn.logsumexp
+    plain = jls.precision.precision_report(lse, x)
+    # jax sums float16 in float32 and casts the sum back: computed in float32,
+    # held in float16, where the log reads it.
+    assert plain.numerics["reduce_sum"] == {"float32": 1}
+    assert plain.held["reduce_sum"] == {"float16": 1}
+    assert re.search(r"\n  reduce_sum +float32 1 +held float16 1\n", str(plain))
+    cast = jls.precision.precision_report(jls.precision.autocast(lse), x)
+    assert cast.held["reduce_sum"] == cast.held["log"] == {"float32": 1}

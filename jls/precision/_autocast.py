@@ -48,8 +48,11 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
 
     Matmuls and convolutions compute in ``dtype``; softmax, ``exp``/``log``,
     powers, sums and means (so cross-entropy and normalisation statistics)
-    in float32; every other op in its operands' dtype. The arguments are not
-    cast, so float32 parameters get float32 gradients. ``fn`` is traced when
+    in float32; every other op in its operands' dtype. What it widened stays
+    wide: a float16 program's sum is not cast back to float16 before the
+    ``log`` or ``sqrt`` that brings it into range, only where a dtype is
+    required (a matmul's operand, a result). The arguments are not cast, so
+    float32 parameters get float32 gradients. ``fn`` is traced when
     its caller is: under ``jit`` a step compiles once.
 
     Args:

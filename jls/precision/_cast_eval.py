@@ -7,7 +7,15 @@
 - an op that needs range (`jls.precision._primitives.FLOAT32`: ``exp``,
   ``log``, sums...) gets them in float32 at least;
 - any other op takes them as they come, promoted to the widest where they
-  now differ (weak values and inlined scalars take the others' dtype).
+  now differ (weak values and inlined scalars take the others' dtype);
+- a value computed from a narrower one is held in the dtype it was computed
+  in: the program's cast of it back to that narrower dtype is not bound. jax
+  sums float16 as convert to float32, reduce, convert to float16; the sum
+  stays float32, so the ``log`` or ``sqrt`` after it brings it back into
+  range (a logsumexp, a norm, a cross-entropy) instead of reading ``inf``.
+  A value is narrowed only where its dtype is required: a matmul's operand
+  (the compute dtype), the function's outputs and a loop's carry (their
+  traced dtypes), an op that takes only its traced dtypes.
 
 Nested ``jit``, ``scan``, ``while_loop``, ``cond`` and ``checkpoint``
 programs run by the same rules, a loop's carry in its traced dtypes.
@@ -46,6 +54,9 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
+    # The narrowest floating width (bytes) each value was computed from: its
+    # own, traced or held, and its operands'.
+    narrowest = {v: _width(v, x) for v, x in env.items()}
     # Drop each value after its last use (an eager call holds no more than
     # jax's own evaluation would).
     last = {
@@ -54,13 +65,43 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
     outputs = {v for v in jaxpr.outvars if not is_literal(v)}
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v, env) for v in eqn.invars]
-        with located(eqn):
-            outs = _apply(eqn, invals, dtype)
+        seen = min(
+            [
+                _width(v, x) if is_literal(v) else narrowest[v]
+                for v, x in zip(eqn.invars, invals, strict=True)
+            ],
+            default=_WIDEST,
+        )
+        if _casts_back(eqn, invals, seen):
+            outs = invals  # held in the wider dtype it was computed in
+        else:
+            with located(eqn):
+                outs = _apply(eqn, invals, dtype)
         env.update(zip(eqn.outvars, outs, strict=True))
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            narrowest[v] = min(seen, _width(v, x))
         for v in eqn.invars:
             if not is_literal(v) and last.get(v) == i and v not in outputs:
                 env.pop(v, None)
     return [read(v, env) for v in jaxpr.outvars]
+
+
+_WIDEST = 16
+
+
+def _width(v: Any, value: Any) -> int:
+    """The bytes of ``v``'s floating dtype, traced or now (the narrower)."""
+    traced = getattr(v.aval, "dtype", None)  # None: a token
+    dtypes = [d for d in (traced, getattr(value, "dtype", traced)) if d is not None]
+    return min((np.dtype(d).itemsize for d in dtypes if _floating(d)), default=_WIDEST)
+
+
+def _casts_back(eqn: Any, invals: list, seen: int) -> bool:
+    """Whether ``eqn`` narrows a value to a width it was computed from."""
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    to, now = np.dtype(eqn.params["new_dtype"]), _dtype(invals[0], eqn.invars[0].aval)
+    return _floating(to) and _floating(now) and seen <= to.itemsize < now.itemsize
 
 
 def _is_weak(v: Any) -> bool:

@@ -59,6 +59,9 @@ class PrecisionReport:
       numerics: op -> dtype name -> count, for the range-sensitive ops
         (``softmax``, ``exp``, ``log``, ``reduce_sum``...: those
         `jls.precision.autocast` computes in float32).
+      held: op -> dtype name -> count, for the same ops: the dtype each
+        result is held in, narrower than computed where every use of it is a
+        cast (jax sums float16 in float32 and holds the sum in float16).
       collectives: every collective of the program (``psum``,
         ``all_gather``...), one per dtype it sends; of a compiled one, XLA's
         (``all-reduce``...), ``where`` the jax op each came from.
@@ -69,6 +72,7 @@ class PrecisionReport:
     info: tuple[Op, ...]
     numerics: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     collectives: tuple[Op, ...] = ()
+    held: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def majority(self) -> str | None:
@@ -105,8 +109,10 @@ class PrecisionReport:
         if self.numerics:
             rows.append("range-sensitive ops (softmax, exp, log, sums) by dtype:")
             rows += [
-                f"  {kind:<14}" + "  ".join(f"{d} {n}" for d, n in sorted(by.items()))
+                f"  {kind:<14}{_counts(by)}"
+                + (f"  held {_counts(held)}" if held != by else "")
                 for kind, by in sorted(self.numerics.items())
+                for held in [self.held.get(kind, by)]
             ]
         if self.info:
             rows.append("low-precision numerics (information, not errors):")
@@ -115,6 +121,10 @@ class PrecisionReport:
             rows.append("collectives:")
             rows += [f"  {op.kind} {op.dtype} at {op.where}" for op in self.collectives]
         return "\n".join(rows)
+
+
+def _counts(by: dict[str, int]) -> str:
+    return "  ".join(f"{d} {n}" for d, n in sorted(by.items()))
 
 
 def _subjaxprs(value: Any) -> Iterator[Any]:
@@ -183,6 +193,7 @@ class _Found(NamedTuple):
     info: list[Op]
     numerics: Counter
     collectives: list[Op]
+    held: Counter
 
 
 def _floating(var: Any) -> bool:
@@ -201,8 +212,33 @@ def _live(jaxpr: Any) -> set[int]:
     return alive
 
 
+def _uses(jaxpr: Any) -> dict[Any, list]:
+    """Each variable's consumers (``None`` for an output of ``jaxpr``)."""
+    uses: dict[Any, list] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not is_literal(v):
+                uses.setdefault(v, []).append(eqn)
+    for v in jaxpr.outvars:
+        if not is_literal(v):
+            uses.setdefault(v, []).append(None)
+    return uses
+
+
+def _held(var: Any, uses: dict[Any, list]) -> str:
+    """The dtype ``var`` is held in: the narrowest all its uses cast it to."""
+    users = uses.get(var, [])
+    if not users or any(
+        e is None or e.primitive.name != "convert_element_type" for e in users
+    ):
+        return var.aval.dtype.name
+    dtypes = [var.aval.dtype, *(e.outvars[0].aval.dtype for e in users)]
+    return min(dtypes, key=lambda d: np.dtype(d).itemsize).name
+
+
 def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
     alive = _live(jaxpr)
+    uses = _uses(jaxpr)
     producers: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         for out in eqn.outvars:
@@ -226,6 +262,9 @@ def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
         counted = name in FLOAT32 and live and not in_softmax
         if counted and eqn.invars and _floating(eqn.invars[0]):
             found.numerics[("softmax" if softmax else name, dtype)] += 1
+            found.held[
+                ("softmax" if softmax else name, _held(eqn.outvars[0], uses))
+            ] += 1
         subs = [s for v in eqn.params.values() for s in _subjaxprs(v)]
         if name.startswith("custom_jvp") and subs and _is_softmax(subs[0]):
             # A softmax with its own derivative: counted once, as a softmax;
@@ -233,6 +272,7 @@ def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
             if dtype in _LOW:
                 found.info.append(Op("softmax", dtype, _where(eqn)))
             found.numerics[("softmax", dtype)] += 1
+            found.held[("softmax", _held(eqn.outvars[0], uses))] += 1
             for sub in subs:
                 _walk(sub, found, in_softmax=True)
             continue
@@ -291,15 +331,18 @@ def precision_report(
             )
         sent = (Op(*op) for op in compiled_collectives(fn.as_text() or ""))
         return PrecisionReport(counts={}, ops=(), info=(), collectives=tuple(sent))
-    found = _Found([], [], Counter(), [])
+    found = _Found([], [], Counter(), [], Counter())
     _walk(trace(fn, args, kwargs).closed.jaxpr, found)
     numerics: dict[str, dict[str, int]] = {}
-    for (kind, dtype), n in sorted(found.numerics.items()):
-        numerics.setdefault(kind, {})[dtype] = n
+    held: dict[str, dict[str, int]] = {}
+    for counts, table in ((found.numerics, numerics), (found.held, held)):
+        for (kind, dtype), n in sorted(counts.items()):
+            table.setdefault(kind, {})[dtype] = n
     return PrecisionReport(
         counts=dict(Counter(op.dtype for op in found.ops)),
         ops=tuple(found.ops),
         info=tuple(found.info),
         numerics=numerics,
         collectives=tuple(found.collectives),
+        held=held,
     )
