@@ -120,7 +120,8 @@ def _check_node(node: Any, key: Any) -> None:
         return  # should_skip_update_fn drops a non-finite micro-batch itself
     if kind in _REFUSED:
         raise ValueError(_REFUSED[kind])
-    counters = [f"{kind}.{f}" for f in node._fields if f != field and _counts(node, f)]
+    fields = [f for f in getattr(node, "_fields", ()) if f != field]
+    counters = [f"{kind}.{f}" for f in fields if _counts(node, f)]
     counted = "".join(f" {c} counts the steps jls skips too." for c in counters)
     warnings.warn(
         f"opt_state holds jls's state inside a {kind} (from {module}), the state "
