@@ -120,8 +120,11 @@ def _check_node(node: Any, key: Any) -> None:
         return  # should_skip_update_fn drops a non-finite micro-batch itself
     if kind in _REFUSED:
         raise ValueError(_REFUSED[kind])
-    fields = [f for f in getattr(node, "_fields", ()) if f != field]
-    counters = [f"{kind}.{f}" for f in fields if _counts(node, f)]
+    counters = [
+        f"{kind}.{f}"
+        for f in getattr(node, "_fields", ())
+        if f != field and _ints(jax.tree.leaves(getattr(node, f)))
+    ]
     counted = "".join(f" {c} counts the steps jls skips too." for c in counters)
     warnings.warn(
         f"opt_state holds jls's state inside a {kind} (from {module}), the state "
@@ -171,11 +174,9 @@ def not_loss_scaling(tx: Any, owner: Any) -> TypeError:
     )
 
 
-def _counts(node: Any, field: str) -> bool:
-    """Whether ``node.field`` holds an integer (a counter the wrapper steps)."""
-    leaves = jax.tree.leaves(getattr(node, field))
-    dtypes = [getattr(x, "dtype", None) for x in leaves]
-    return any(d is not None and jnp.issubdtype(d, jnp.integer) for d in dtypes)
+def _ints(leaves: list[Any]) -> bool:
+    """Whether an array of ``leaves`` holds integers (a counter, when stepped)."""
+    return any(jnp.issubdtype(getattr(x, "dtype", float), jnp.integer) for x in leaves)
 
 
 def _is_namedtuple(node: Any) -> bool:
