@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 _INSIDE = (
@@ -61,8 +62,17 @@ _REFUSED = {
     ),
 }
 _REFUSED["MultiTransformState"] = _REFUSED["PartitionState"]
-# Wrappers that hand every gradient to jls unchanged and step nothing else.
+# Wrappers that hand every gradient to jls unchanged and step nothing else,
+# unless a schedule steps (its state then advances on the steps jls skips).
 _SAFE = {"InjectHyperparamsState", "InjectStatefulHyperparamsState"}
+_SCHEDULED = (
+    "opt_state is the state of optax.inject_hyperparams(<a factory of "
+    "jls.loss_scaling>)(...) with a schedule: the schedule's count advances on "
+    "the steps jls skips, so after one skip every scheduled hyperparameter is "
+    "a step ahead. " + _INSIDE + "jls.loss_scaling(optax.inject_hyperparams("
+    "optax.adam)(learning_rate=schedule), scaler): its count stands still on a "
+    "skipped step"
+)
 
 
 def check_path(tree: Any, path: tuple[Any, ...]) -> None:
@@ -101,17 +111,26 @@ def _check_node(node: Any, key: Any) -> None:
     field = getattr(key, "name", "")
     module = type(node).__module__ or ""
     wrapper = module.split(".")[0] in ("optax", "jls") or field.startswith("inner")
-    if not wrapper or field == "loss_scale" or kind in _SAFE:
+    scheduled = jax.tree.leaves(getattr(node, "hyperparams_states", None))
+    if not wrapper or field == "loss_scale" or (kind in _SAFE and not scheduled):
         return  # a container, jls's own state, or a known-safe wrapper
+    if kind in _SAFE:
+        raise ValueError(_SCHEDULED)
     if kind == "MultiStepsState" and jax.tree.leaves(getattr(node, "skip_state", ())):
         return  # should_skip_update_fn drops a non-finite micro-batch itself
     if kind in _REFUSED:
         raise ValueError(_REFUSED[kind])
+    counters = [
+        f"{kind}.{f}"
+        for f in getattr(node, "_fields", ())
+        if f != field and _ints(jax.tree.leaves(getattr(node, f)))
+    ]
+    counted = "".join(f" {c} counts the steps jls skips too." for c in counters)
     warnings.warn(
         f"opt_state holds jls's state inside a {kind} (from {module}), the state "
         "of a transformation around jls.loss_scaling: that transformation sees "
-        "or passes on the loss-scaled gradients, or acts on steps jls skips. "
-        f"{_INSIDE}jls.loss_scaling(<the wrapper>(inner), scaler)",
+        "or passes on the loss-scaled gradients, or acts on steps jls skips."
+        f"{counted} {_INSIDE}jls.loss_scaling(<the wrapper>(inner), scaler)",
         UserWarning,
         stacklevel=6,  # the user's call of scale_loss, metrics, ...
     )
@@ -153,6 +172,11 @@ def not_loss_scaling(tx: Any, owner: Any) -> TypeError:
         f"scaled gradients and one nan micro-batch poisons every later window.) "
         f"Got {tx!r:.200}"
     )
+
+
+def _ints(leaves: list[Any]) -> bool:
+    """Whether an array of ``leaves`` holds integers (a counter, when stepped)."""
+    return any(jnp.issubdtype(getattr(x, "dtype", float), jnp.integer) for x in leaves)
 
 
 def _is_namedtuple(node: Any) -> bool:

@@ -64,20 +64,65 @@ def select_tree(apply: jax.Array, new: Any, old: Any) -> Any:
     ``None`` leaves stay ``None``; a leaf of ``new`` that is no array (a
     function) is returned as it is, and so is a Python number equal to the
     old one (an optimizer's static setting, used as a shape, stays a number).
-    """
+    Outside ``jit`` a changed Python number is kept or replaced as a Python
+    number; traced, it becomes the weakly typed array ``jit`` returns for it.
+    A leaf the step widens (float16 to float32) keeps its value in the new
+    dtype: one type for both outcomes, as ``jit`` requires.
 
-    def kept(n: Any, o: Any) -> Any:
+    Raises:
+      TypeError: at trace time, for a leaf whose new dtype cannot hold every
+        value of its old one (a skip would round it), naming the leaf.
+    """
+    known: list[bool | None] = []  # apply's value outside a trace, found once
+
+    def kept(path: Any, n: Any, o: Any) -> Any:
         if not _is_array(n) or _same_number(n, o):
             return n
+        if _is_number(n) and _is_number(o):
+            known[:] = known or [_value(apply)]
+            if known[0] is not None:
+                return n if known[0] else o
+        elif not _is_number(o) and not _holds(jnp.result_type(o), jnp.result_type(n)):
+            raise TypeError(
+                f"the leaf {jax.tree_util.keystr(path)} is {jnp.result_type(o)} "
+                f"before the step and {jnp.result_type(n)} after it: a skipped step "
+                "would round the old value into the new dtype (jit needs one type "
+                "for both outcomes). Create it in the dtype the step gives it (the "
+                "inner optimizer's init), or keep its dtype in the update"
+            )
         return select(apply, n, o)
 
-    return jax.tree.map(kept, new, old)
+    return jax.tree_util.tree_map_with_path(kept, new, old)
+
+
+def _holds(old: Any, new: Any) -> bool:
+    """Whether every value of dtype ``old`` is one of dtype ``new``."""
+    if old == new or old == jnp.bool_:
+        return True
+    if jnp.issubdtype(old, jnp.integer):
+        return jnp.issubdtype(new, jnp.integer) and bool(np.can_cast(old, new))
+    complex_ = [jnp.issubdtype(d, jnp.complexfloating) for d in (old, new)]
+    if not jnp.issubdtype(new, jnp.inexact) or complex_ == [True, False]:
+        return False
+    a, b = jnp.finfo(old), jnp.finfo(new)
+    tiny = b.minexp - b.nmant <= a.minexp - a.nmant  # subnormals included
+    return b.nmant >= a.nmant and b.maxexp >= a.maxexp and tiny
+
+
+def _value(apply: Any) -> bool | None:
+    try:
+        return bool(apply)
+    except jax.errors.ConcretizationTypeError:
+        return None  # traced
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (bool, int, float, complex))
 
 
 def _same_number(new: Any, old: Any) -> bool:
     """Whether ``new`` and ``old`` are one Python number (``-0.0`` is not ``0.0``)."""
-    python = (bool, int, float, complex)
-    return type(new) is type(old) and isinstance(new, python) and repr(new) == repr(old)
+    return type(new) is type(old) and _is_number(new) and repr(new) == repr(old)
 
 
 def _is_array(x: Any) -> bool:

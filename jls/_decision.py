@@ -46,24 +46,29 @@ def decide(
     """The step's decision and measurements, agreed across replicas.
 
     ``apply`` is ``finite``, or with ``skip_nonfinite=False`` any step whose
-    scale is in range.
+    scale is in range. Every scaler's agreement is one scalar all-reduce.
     """
     _check_gradient_dtypes(grads)
     hint_bfloat16(config, grads)
     scale = loss_scale.scale
     below_one = config.scaler.min_scale_f32 < 1
+    valid = config.scaler.in_range(scale)
+    also = jnp.asarray(True) if also_finite is None else all_finite(also_finite)
     magnitude = norm = None
-    if config.measures:
+    if config.measures:  # the rows it reduces and the flags: one all-reduce
         measured = unscaled_measured(
-            grads, scale, scale_may_be_below_one=below_one, named=config.axis_name
+            grads,
+            scale,
+            scale_may_be_below_one=below_one,
+            named=config.axis_name,
+            flags=(also, valid),
         )
-        finite, magnitude = measured.finite, measured.magnitude
+        (also, valid), magnitude = measured.flags, measured.magnitude
+        finite = measured.finite & also
         norm = unscaled_norm(measured, scale)
     else:
         finite = unscaled_finite(grads, scale, scale_may_be_below_one=below_one)
-    if also_finite is not None:
-        finite = finite & all_finite(also_finite)
-    finite, valid = agree(config, [finite, config.scaler.in_range(scale)], lax.pmin)
+        finite, valid = agree(config, [finite & also, valid], lax.pmin)
     finite = finite & valid
     apply = finite if config.scaler.skip_nonfinite else valid
     return Decision(finite, apply, magnitude, norm)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._compat import tracked_in, varying_axes
+from jls._compat import pvary, tracked_in, varying_axes
 from jls._finite import (
     SMALL_LEAF,
     exact,
@@ -29,24 +29,25 @@ from jls._finite import (
     sharded_in_its_type,
 )
 from jls._scaling import compute_dtype, unscale_tree
-from jls._shards import global_rows
 
 
 class Measured(NamedTuple):
     """What the squares check reads off the scaled gradients in its one pass.
 
     Attributes:
-      finite: scalar bool, whether every value is finite (not yet agreed).
+      finite: scalar bool, whether every value is finite on every device.
       magnitude: float32 scalar, the largest root-mean-square over the check's
         reductions; 0 for a tree with nothing to check.
       low: float32 scalar, the sum of the squares (inf past float32's range).
       high: float32 scalar, the same sum in units of ``2**-168``.
+      flags: the caller's scalar bools, each true where it is on every device.
     """
 
     finite: jax.Array
     magnitude: jax.Array
     low: jax.Array
     high: jax.Array
+    flags: tuple[jax.Array, ...] = ()
 
 
 # The squares are also summed shrunk by 2**-84 (float64: 2**-532) when their
@@ -77,22 +78,24 @@ def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
     return jnp.sum(square(jnp.concatenate([p.ravel() for p in pieces])))
 
 
-def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Measured:
+def leaves_squares(
+    leaves: list[jax.Array], named: tuple[str, ...] = (), flags: tuple = ()
+) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
     Reductions as `leaves_finite`'s. A leaf sharded over ``shard_map`` axes
-    has its sums added over them (`jls._shards.global_rows`).
+    has its sums added over them, and the replicas over ``named`` agree on
+    the flag and on ``flags``: one all-reduce in all (`_agreed`).
     """
     tracked = tracked_in(leaves, named)
     reductions: list[tuple[list[jax.Array], Any, tuple[str, ...]]] = []
     small: dict[Any, list[jax.Array]] = {}
-    group_small = tracked or not named  # replicas and shards must not share one
     for x in leaves:
         wide = compute_dtype(jnp.real(x).dtype)
         shards = tuple(sorted(varying_axes(x))) if tracked else ()
         if not x.size:
             continue
-        if group_small and x.size <= SMALL_LEAF and not sharded_in_its_type(x):
+        if x.size <= SMALL_LEAF and not sharded_in_its_type(x):
             small.setdefault((wide, shards), []).append(x)
         else:
             reductions.append(([x], wide, shards))
@@ -102,9 +105,6 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
         for run in runs(parts)
     )
     f32 = jnp.float32
-    if not reductions:
-        return Measured(jnp.asarray(True), f32(0), f32(0), f32(0))
-
     lows = [_sum_of(parts, wide, lambda v: v * v) for parts, wide, _ in reductions]
 
     def shrunk(_):
@@ -122,26 +122,55 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
         ]
 
     every_low_finite = functools.reduce(
-        jnp.logical_and, [jnp.isfinite(low) for low in lows]
+        jnp.logical_and, [jnp.isfinite(low) for low in lows], jnp.asarray(True)
     )
-    highs = lax.cond(every_low_finite, from_low, shrunk, None)
-    finite = functools.reduce(jnp.logical_and, [jnp.isfinite(h) for h in highs])
-
-    # Agree: add each reduction's sums over the axes it is sharded on.
+    highs = lax.cond(every_low_finite, from_low, shrunk, None) if lows else []
+    finite = functools.reduce(
+        jnp.logical_and, [jnp.isfinite(h) for h in highs], jnp.asarray(True)
+    )
     rows = [
         jnp.stack([low.astype(f32), high, f32(sum(p.size for p in parts))])
         for (parts, _, _), low, high in zip(reductions, lows, highs, strict=True)
     ]
     varying = [frozenset(shards) for _, _, shards in reductions]
-    rows = global_rows(rows, varying, named, tracked, added=3)
-    magnitudes, low_total, high_total = [], f32(0), f32(0)
+    rows, agreed = _agreed(rows, varying, named, tracked, (finite, *flags))
+    magnitudes, low_total, high_total = [f32(0)], f32(0), f32(0)
     for low, high, size in rows:
         rms_low = jnp.sqrt(low / size)
         rms_high = jnp.ldexp(jnp.sqrt(high / size), _HIGH_EXP // 2)
         magnitudes.append(jnp.where(jnp.isfinite(low), rms_low, rms_high))
         low_total, high_total = low_total + low, high_total + high
     magnitude = functools.reduce(jnp.maximum, magnitudes)
-    return Measured(finite, magnitude, low_total, high_total)
+    return Measured(agreed[0], magnitude, low_total, high_total, tuple(agreed[1:]))
+
+
+def _agreed(
+    rows: list[jax.Array],
+    varying: list[frozenset[str]],
+    named: tuple[str, ...],
+    tracked: bool,
+    flags: tuple[jax.Array, ...],
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Rows added over the axes they are sharded on, ``flags`` and-ed: one psum.
+
+    Over ``named`` and every axis a row or flag varies over. A row counts
+    once over the axes it is not sharded on (the first member's, exactly:
+    the others add zeros); a flag counts as the members where it is false.
+    """
+    f32 = jnp.float32
+    bad = jnp.stack([(~jnp.asarray(f)).astype(f32) for f in flags])
+    axes = tuple(sorted(set(named).union(*varying, varying_axes(bad))))
+    if not axes:
+        return rows, list(bad == 0)
+    parts = [bad]
+    for row, sharded in zip(rows, varying, strict=True):
+        first = [lax.axis_index(a) == 0 for a in axes if a not in sharded]
+        parts.append(jnp.where(functools.reduce(jnp.logical_and, first, True), row, 0))
+    if tracked:  # jax records varying axes: the psum's operand varies over all
+        parts = [pvary(p, set(axes) - varying_axes(p)) for p in parts]
+    total = lax.psum(jnp.concatenate(parts), axes)
+    n = len(flags)
+    return list(total[n:].reshape(-1, 3)), list(total[:n] == 0)
 
 
 def _in_high_units(low: jax.Array, high: Any, dtype: Any) -> jax.Array:
@@ -189,16 +218,21 @@ def unscaled_measured(
     *,
     scale_may_be_below_one: bool,
     named: tuple[str, ...] = (),
+    flags: tuple = (),
 ) -> Measured:
-    """`unscaled_finite` as the squares check, with its range and norm."""
+    """`unscaled_finite` as the squares check, with its range and norm.
+
+    The replicas over ``named`` agree on it and on ``flags`` in one all-reduce.
+    """
     leaves = inexact_leaves(grads)
-    measured = _squares_jit(leaves, named)
     if not scale_may_be_below_one:
-        return measured
-    finite = lax.cond(
+        return _squares_jit(leaves, named, flags)
+    unscaled = lax.cond(  # below 1, the unscaled values may overflow
         scale >= 1,
-        lambda xs: measured.finite,
-        lambda xs: measured.finite & exact(unscale_tree(xs, scale, two_factor=False)),
+        lambda xs: jnp.asarray(True),
+        lambda xs: exact(unscale_tree(xs, scale, two_factor=False)),
         leaves,
     )
-    return measured._replace(finite=finite)
+    measured = _squares_jit(leaves, named, (unscaled, *flags))
+    finite, *agreed = measured.flags
+    return measured._replace(finite=measured.finite & finite, flags=tuple(agreed))

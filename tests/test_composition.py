@@ -206,3 +206,60 @@ def test_the_fused_path_names_the_order_that_works():
     # It no longer sends the user to tx.update around loss_scaling, the
     # order that poisons the accumulator.
     assert "use tx.update" not in message
+
+
+def _schedule(count):
+    return 0.1 * (count + 1.0)
+
+
+def _scheduled(order: str) -> Any:
+    """SGD at ``_schedule``'s rate, inside jls (exact) or around it."""
+    scaler = jls.static_scale(1.0)
+    if order == "inside":
+        return jls.loss_scaling(optax.inject_hyperparams(optax.sgd)(_schedule), scaler)
+    sgd = lambda learning_rate: jls.loss_scaling(optax.sgd(learning_rate), scaler)  # noqa: E731
+    return optax.inject_hyperparams(sgd)(learning_rate=_schedule)
+
+
+def test_inject_hyperparams_with_a_schedule_around_jls_is_refused():
+    # Around jls, the schedule's count advances on a skipped step: the rate
+    # is then a step ahead. Inside, a skip keeps the count.
+    nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), PARAMS)
+    rates = {}
+    for order in ("inside", "around"):
+        tx = _scheduled(order)
+        state = tx.init(PARAMS)
+        for grads in (nan, PARAMS):
+            updates, state = tx.update(grads, state, PARAMS)
+        rates[order] = float(-updates["w"][0])
+    assert rates == {"inside": np.float32(0.1), "around": np.float32(0.2)}
+    state = _scheduled("around").init(PARAMS)
+    _refused(state, r"a step ahead.*jls.loss_scaling\(optax.inject_hyperparams\(")
+    stateful = optax.schedules.WrappedSchedule(_schedule)  # a StatefulSchedule
+    with pytest.raises(ValueError, match="a step ahead"):
+        sgd = optax.inject_hyperparams(lambda learning_rate: _sgd())(stateful)
+        jls.metrics(sgd.init(PARAMS))
+    for state in (  # inside jls, or constant rates: nothing advances apart
+        _scheduled("inside").init(PARAMS),
+        jls.loss_scaling(optax.inject_hyperparams(optax.sgd)(stateful)).init(PARAMS),
+        optax.inject_hyperparams(lambda learning_rate: _sgd())(0.1).init(PARAMS),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jls.metrics(state)
+
+
+class _Counted(NamedTuple):
+    """A user's wrapper around jls with its own step counter."""
+
+    inner_state: Any
+    step: jax.Array
+
+
+def test_any_wrapper_with_its_own_counter_is_warned_about_naming_it():
+    state = _Counted(_sgd().init(PARAMS), jnp.int32(0))
+    for use in _lookups():
+        with pytest.warns(
+            UserWarning, match=r"_Counted.step counts the steps jls skips"
+        ):
+            use(state)

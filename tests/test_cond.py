@@ -422,3 +422,73 @@ def test_equal_python_numbers_are_kept_and_others_selected():
     out = _cond.select_tree(apply, {"n": 4, "z": -0.0}, {"n": 3, "z": 0.0})
     assert int(out["n"]) == 3  # a changed number is selected (as an array)
     assert str(float(out["z"])) == "0.0"  # -0.0 and 0.0 are not one number
+
+
+class _Kinds(NamedTuple):
+    """An inner state with a leaf of every kind optax allows."""
+
+    widened: Any  # float16 at init, float32 after a step
+    count: Any  # a Python int the update counts in Python
+    rate: Any  # a Python float the update changes
+    nothing: Any  # None
+    empty: Any  # an empty state
+    weak: Any  # weakly typed float32, strong after a step
+    weak_count: Any  # weakly typed int32, strong after a step
+
+
+def _kinds(narrowed=jnp.float32) -> optax.GradientTransformation:
+    def init(params):
+        del params
+        return _Kinds(
+            jnp.float16(1.5), 0, 0.1, None, optax.EmptyState(), jnp.asarray(0.1), 0
+        )._replace(weak_count=jnp.asarray(7))
+
+    def update(updates, state, params=None):
+        del params
+        return updates, _Kinds(
+            state.widened.astype(narrowed) + 1,
+            state.count + 1,
+            state.rate * 3,
+            None,
+            optax.EmptyState(),
+            state.weak + jnp.float32(1),
+            state.weak_count + jnp.int32(1),
+        )
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_skip_keeps_every_leaf_kind_in_the_type_an_applied_step_gives(jit):
+    tx = jls.loss_scaling(_kinds(), jls.static_scale(2.0))
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(jnp.ones(2))
+    _, applied = update(jnp.ones(2), state)
+    _, skipped = update(jnp.full(2, jnp.nan), state)
+    assert bool(jls.metrics(skipped)["skipped"])
+    old, kept = state.inner_state, skipped.inner_state
+    assert kept.nothing is None and kept.empty == optax.EmptyState()
+    # A widened leaf keeps its value exactly, in the dtype the step gives it:
+    # under jit one type for both outcomes, so the next step traces once.
+    assert kept.widened.dtype == applied.inner_state.widened.dtype == jnp.float32
+    assert kept.widened.astype(jnp.float16).tobytes() == old.widened.tobytes()
+    if jit:  # jit returns Python numbers as weakly typed arrays, skipped or not
+        assert jax.tree.map(jax.typeof, skipped) == jax.tree.map(jax.typeof, applied)
+        assert (int(kept.count), float(kept.rate)) == (0, np.float32(0.1))
+    else:  # eager, a Python number stays one, bitwise
+        assert type(kept.count) is int and kept.count == 0
+        assert type(kept.rate) is float and kept.rate == 0.1
+        assert (applied.inner_state.count, applied.inner_state.rate) == (1, 0.1 * 3)
+    for name in ("weak", "weak_count"):
+        assert jax.typeof(getattr(kept, name)) == jax.typeof(getattr(old, name))
+        assert getattr(kept, name).tobytes() == getattr(old, name).tobytes()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_leaf_the_step_narrows_is_refused_naming_it(jit):
+    # A skip would round the old value into the new dtype: refused at trace
+    # time (jit needs one type for the skipped and the applied step).
+    tx = jls.loss_scaling(_kinds(narrowed=jnp.float8_e4m3fn), jls.static_scale(2.0))
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(TypeError, match=r"\.widened.*float16.*float8_e4m3fn"):
+        update(jnp.ones(2), tx.init(jnp.ones(2)))

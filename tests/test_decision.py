@@ -2,12 +2,16 @@
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
+import functools
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from steps import X, _assert_no_nan, _loss, _params, _scaled_grads
 
 import jls
@@ -66,3 +70,58 @@ def test_bfloat16_gradients_with_a_dynamic_scale_get_a_hint():
         jax.jit(tx.update)(params, tx.init(params), params)
     quiet = jls.loss_scaling(optax.sgd(0.1), jls.no_scale())
     jax.jit(quiet.update)(params, quiet.init(params), params)  # no warning
+
+
+SCALERS = {
+    "dynamic": jls.dynamic_scale(),
+    "static": jls.static_scale(4.0),
+    "measured": jls.measured_scale(),
+    "no_scale": jls.no_scale(),
+}
+
+
+def _all_reduces(scaler, mode):
+    """The all-reduces of a step on gradients averaged over "data" already."""
+    mesh = jax.sharding.Mesh(np.reshape(jax.devices()[:1], (1, 1)), ("data", "model"))
+    params = {"w": jnp.ones((4, 2)), "b": jnp.ones(3)}
+    tx = jls.loss_scaling(optax.sgd(0.1), scaler, axis_name="data")
+    state = tx.init(params)
+    step = functools.partial(jls.apply_gradients, tx)
+    if mode == "pmap":
+        f = jax.pmap(step, axis_name="data")
+        params, state = jax.tree.map(lambda x: x[None], (params, state))
+    else:  # "w" sharded over "model", as tensor parallelism lays it out
+        specs = {"w": P(None, "model"), "b": P()}
+        f = jax.jit(
+            jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(specs, P(), specs),
+                out_specs=(specs, P()),
+                check_vma=mode == "vma",
+            )
+        )
+    text = f.lower(params, state, params).as_text()
+    return len(re.findall(r"\ball_reduce\b", text))
+
+
+@pytest.mark.parametrize("mode", ["vma", "no_vma", "pmap"])
+@pytest.mark.parametrize("scaler", list(SCALERS))
+def test_the_decision_is_one_all_reduce_for_every_scaler(scaler, mode):
+    assert _all_reduces(SCALERS[scaler], mode) == 1
+
+
+def test_the_metrics_docstring_lists_exactly_the_keys_of_every_scaler():
+    # The bullets of jls.metrics' "Returns:" name the keys a transformation
+    # without extra hooks reports, the same for every scaler and the off switch.
+    doc = jls.metrics.__doc__ or ""
+    returns = doc[doc.index("Returns:") : doc.index("Example:")]
+    bullets = re.findall(r"^\s*\* ((?:``\w+``(?:, )?)+):", returns, re.M)
+    named = {k for b in bullets for k in re.findall(r"``(\w+)``", b)}
+    off = jls.no_scale(skip_nonfinite=False)
+    for scaler in (*SCALERS.values(), off):
+        tx = jls.loss_scaling(optax.sgd(0.1), scaler)
+        state = tx.init({"w": jnp.zeros(2)})
+        assert set(jls.metrics(state)) == named, scaler
+        _, state = jax.jit(tx.update)({"w": jnp.ones(2)}, state)
+        assert set(jls.metrics(state)) == named, scaler
