@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._compat import tracked_in, varying_axes
 from jls._finite import (
     SMALL_LEAF,
     exact,
@@ -29,7 +28,7 @@ from jls._finite import (
     sharded_in_its_type,
 )
 from jls._scaling import compute_dtype, unscale_tree
-from jls._shards import global_rows
+from jls._shards import global_rows, shard_axes
 
 
 class Measured(NamedTuple):
@@ -77,28 +76,28 @@ def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
     return jnp.sum(square(jnp.concatenate([p.ravel() for p in pieces])))
 
 
-def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Measured:
+def leaves_squares(
+    leaves: list[jax.Array], shards: tuple[frozenset[str], ...] = ()
+) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
-    Reductions as `leaves_finite`'s. A leaf sharded over ``shard_map`` axes
-    has its sums added over them (`jls._shards.global_rows`).
+    Reductions as `leaves_finite`'s. A leaf sharded over axes (``shards``,
+    per leaf, `jls._shards.shard_axes`) has its sums added over them.
     """
-    tracked = tracked_in(leaves, named)
-    reductions: list[tuple[list[jax.Array], Any, tuple[str, ...]]] = []
+    shards = shards or (frozenset(),) * len(leaves)
+    reductions: list[tuple[list[jax.Array], Any, frozenset[str]]] = []
     small: dict[Any, list[jax.Array]] = {}
-    group_small = tracked or not named  # replicas and shards must not share one
-    for x in leaves:
+    for x, axes in zip(leaves, shards, strict=True):
         wide = compute_dtype(jnp.real(x).dtype)
-        shards = tuple(sorted(varying_axes(x))) if tracked else ()
         if not x.size:
             continue
-        if group_small and x.size <= SMALL_LEAF and not sharded_in_its_type(x):
-            small.setdefault((wide, shards), []).append(x)
+        if x.size <= SMALL_LEAF and not sharded_in_its_type(x):
+            small.setdefault((wide, axes), []).append(x)
         else:
-            reductions.append(([x], wide, shards))
+            reductions.append(([x], wide, axes))
     reductions.extend(
-        (run, wide, shards)
-        for (wide, shards), parts in small.items()
+        (run, wide, axes)
+        for (wide, axes), parts in small.items()
         for run in runs(parts)
     )
     f32 = jnp.float32
@@ -132,8 +131,7 @@ def leaves_squares(leaves: list[jax.Array], named: tuple[str, ...] = ()) -> Meas
         jnp.stack([low.astype(f32), high, f32(sum(p.size for p in parts))])
         for (parts, _, _), low, high in zip(reductions, lows, highs, strict=True)
     ]
-    varying = [frozenset(shards) for _, _, shards in reductions]
-    rows = global_rows(rows, varying, named, tracked, added=3)
+    rows = global_rows(rows, [axes for _, _, axes in reductions], added=3)
     magnitudes, low_total, high_total = [], f32(0), f32(0)
     for low, high, size in rows:
         rms_low = jnp.sqrt(low / size)
@@ -191,8 +189,16 @@ def unscaled_measured(
     named: tuple[str, ...] = (),
 ) -> Measured:
     """`unscaled_finite` as the squares check, with its range and norm."""
-    leaves = inexact_leaves(grads)
-    measured = _squares_jit(leaves, named)
+    what = "the gradient norm (gradient_norm, skip_spikes, measured_scale)"
+    pairs = [
+        (y, axes)
+        for x, axes in zip(
+            jax.tree.leaves(grads), shard_axes(grads, named, what), strict=True
+        )
+        for y in inexact_leaves(x)
+    ]
+    leaves = [x for x, _ in pairs]
+    measured = _squares_jit(leaves, tuple(axes for _, axes in pairs))
     if not scale_may_be_below_one:
         return measured
     finite = lax.cond(
