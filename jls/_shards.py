@@ -38,6 +38,9 @@ class Axes(tuple):
         self.sharded = dict(sharded)
         return self
 
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy and pickle
+        return (self.sharded,)
+
     def __repr__(self) -> str:
         return repr(self.sharded)
 
@@ -57,7 +60,7 @@ def named_axes(value: Any) -> tuple[str, ...]:
             f"names, got {value!r}"
         )
     for axis, prefix in value.items():
-        for leaf in jax.tree.leaves(prefix, is_leaf=_is_spec):
+        for leaf in jax.tree.leaves(prefix, is_leaf=lambda x: x is None or _is_spec(x)):
             if not isinstance(leaf, (bool, np.bool_, PartitionSpec)):
                 raise TypeError(
                     "axis_name's values must be pytrees of bools or "

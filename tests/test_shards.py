@@ -7,6 +7,9 @@ axis, and a statistic summed over shards refuses an axis it does not know.
 
 # pyright: reportArgumentType=false
 
+import copy
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jls
-from jls._shards import global_rows
+from jls._shards import global_rows, named_axes
 
 # A 4 x 2 mesh: "w" is sharded over "model", its two shards mirrored (equal
 # values); "b" is replicated; "k" is sharded over both, every shard its own.
@@ -27,6 +30,8 @@ MIRRORED = {
 SPECS = dict.fromkeys(
     ("data", "model"), {"w": P("model"), "b": P(), "k": P(("data", "model"))}
 )
+
+SPECS_AXES = named_axes(SPECS)
 
 
 def _grads(d, m, w=(3.0, 4.0), b=(1.0, 2.0)):
@@ -116,6 +121,8 @@ def test_shard_map_without_vma_refuses_an_undeclared_axis_and_takes_a_declared_o
 def test_a_bad_declaration_is_named():
     with pytest.raises(TypeError, match="axis_name's values must be"):
         jls.loss_scaling(optax.sgd(0.1), axis_name={"data": "yes"})
+    with pytest.raises(TypeError, match="got 'data': {'w': None}"):
+        jls.loss_scaling(optax.sgd(0.1), axis_name={"data": {"w": None}})
     with pytest.raises(TypeError, match="axis_name must be None, a str"):
         jls.loss_scaling(optax.sgd(0.1), axis_name={1: False})
     with pytest.raises(
@@ -129,6 +136,9 @@ def test_a_bad_declaration_is_named():
 def test_a_declaration_is_still_the_axes_everywhere():
     tx = jls.LossScaling(optax.sgd(0.1), axis_name=MIRRORED)
     assert tx.axis_name == ("data", "model")
+    assert "axis_name={'data': {" in repr(tx)
+    for copied in (copy.deepcopy(tx.axis_name), pickle.loads(pickle.dumps(SPECS_AXES))):
+        assert copied == ("data", "model") and copied.sharded is not None
 
 
 def test_rows_are_added_over_exactly_their_axes_untracked():
