@@ -18,7 +18,7 @@ from jls._dynamic import dynamic_scale
 from jls._inner import Transformation, checked_inner
 from jls._off import is_off
 from jls._rule import LossScaler, checked_scaler
-from jls._validate import axis_names
+from jls._shards import named_axes
 from jls.hooks._hooks import Hook, HookContext
 from jls.hooks._nonfinite_loss import NonfiniteLoss
 
@@ -70,7 +70,7 @@ def make_config(
     """
     inner = checked_inner(inner)
     scaler = dynamic_scale() if scaler is None else checked_scaler(scaler)
-    axes = axis_names("axis_name", axis_name)
+    axes = named_axes(axis_name)
     found = (NonfiniteLoss(skips=scaler.skip_nonfinite), *checked_hooks(hooks))
     names = [h.name for h in found]
     if len(set(names)) != len(names):

@@ -81,7 +81,7 @@ def loss_scaling(
     inner: Transformation,
     scaler: LossScaler | None = None,
     *,
-    axis_name: str | tuple[str, ...] | None = None,
+    axis_name: str | tuple[str, ...] | dict[str, Any] | None = None,
     hooks: Sequence[Hook] = (),
     diagnostics: bool = False,
     max_consecutive_skips: int | None = DIVERGENCE_LIMIT,
@@ -107,6 +107,8 @@ def loss_scaling(
       axis_name: the ``pmap``/``shard_map`` axis (or axes) over which replicas
         agree on the skip and the scale; it does not average the gradients.
         Not needed under ``jit`` with sharded arrays (the check is global).
+        A dict says which gradients each axis shards (``{"b": False}``: none),
+        as statistics over shards need under ``pmap`` (docs/parallelism.md).
       hooks: more `jls.hooks.Hook` objects, consulted after those the keywords
         below stand for (`LossScaling` takes the hooks only).
       diagnostics: add `jls.hooks.Diagnostics` (which leaves were not finite).

@@ -29,6 +29,7 @@ from jls._finite import (
     sharded_in_its_type,
 )
 from jls._scaling import compute_dtype, unscale_tree
+from jls._shards import shard_axes
 
 
 class Measured(NamedTuple):
@@ -79,29 +80,32 @@ def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
 
 
 def leaves_squares(
-    leaves: list[jax.Array], named: tuple[str, ...] = (), flags: tuple = ()
+    leaves: list[jax.Array],
+    shards: tuple[frozenset[str], ...] = (),
+    named: tuple[str, ...] = (),
+    flags: tuple = (),
 ) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
-    Reductions as `leaves_finite`'s. A leaf sharded over ``shard_map`` axes
-    has its sums added over them, and the replicas over ``named`` agree on
-    the flag and on ``flags``: one all-reduce in all (`_agreed`).
+    Reductions as `leaves_finite`'s. A leaf sharded over axes (``shards``,
+    per leaf, `jls._shards.shard_axes`) has its sums added over them, and
+    the replicas over ``named`` agree on the flag and on ``flags``: one
+    all-reduce in all (`_agreed`).
     """
-    tracked = tracked_in(leaves, named)
-    reductions: list[tuple[list[jax.Array], Any, tuple[str, ...]]] = []
+    shards = shards or (frozenset(),) * len(leaves)
+    reductions: list[tuple[list[jax.Array], Any, frozenset[str]]] = []
     small: dict[Any, list[jax.Array]] = {}
-    for x in leaves:
+    for x, axes in zip(leaves, shards, strict=True):
         wide = compute_dtype(jnp.real(x).dtype)
-        shards = tuple(sorted(varying_axes(x))) if tracked else ()
         if not x.size:
             continue
         if x.size <= SMALL_LEAF and not sharded_in_its_type(x):
-            small.setdefault((wide, shards), []).append(x)
+            small.setdefault((wide, axes), []).append(x)
         else:
-            reductions.append(([x], wide, shards))
+            reductions.append(([x], wide, axes))
     reductions.extend(
-        (run, wide, shards)
-        for (wide, shards), parts in small.items()
+        (run, wide, axes)
+        for (wide, axes), parts in small.items()
         for run in runs(parts)
     )
     f32 = jnp.float32
@@ -132,7 +136,8 @@ def leaves_squares(
         jnp.stack([low.astype(f32), high, f32(sum(p.size for p in parts))])
         for (parts, _, _), low, high in zip(reductions, lows, highs, strict=True)
     ]
-    varying = [frozenset(shards) for _, _, shards in reductions]
+    tracked = tracked_in(leaves, named)
+    varying = [axes for _, _, axes in reductions]
     rows, agreed = _agreed(rows, varying, named, tracked, (finite, *flags))
     magnitudes, low_total, high_total = [f32(0)], f32(0), f32(0)
     for low, high, size in rows:
@@ -209,7 +214,7 @@ def unscaled_norm(measured: Measured, scale: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(measured.low), plain, big)
 
 
-_squares_jit = jax.jit(leaves_squares, static_argnums=1)
+_squares_jit = jax.jit(leaves_squares, static_argnums=(1, 2))
 
 
 def unscaled_measured(
@@ -224,15 +229,24 @@ def unscaled_measured(
 
     The replicas over ``named`` agree on it and on ``flags`` in one all-reduce.
     """
-    leaves = inexact_leaves(grads)
+    what = "the gradient norm (gradient_norm, skip_spikes, measured_scale)"
+    pairs = [
+        (y, axes)
+        for x, axes in zip(
+            jax.tree.leaves(grads), shard_axes(grads, named, what), strict=True
+        )
+        for y in inexact_leaves(x)
+    ]
+    leaves = [x for x, _ in pairs]
+    shards = tuple(axes for _, axes in pairs)
     if not scale_may_be_below_one:
-        return _squares_jit(leaves, named, flags)
+        return _squares_jit(leaves, shards, named, flags)
     unscaled = lax.cond(  # below 1, the unscaled values may overflow
         scale >= 1,
         lambda xs: jnp.asarray(True),
         lambda xs: exact(unscale_tree(xs, scale, two_factor=False)),
         leaves,
     )
-    measured = _squares_jit(leaves, named, (unscaled, *flags))
+    measured = _squares_jit(leaves, shards, named, (unscaled, *flags))
     finite, *agreed = measured.flags
     return measured._replace(finite=measured.finite & finite, flags=tuple(agreed))

@@ -58,7 +58,7 @@ class LossScaling:
         inner: Transformation,
         scaler: LossScaler | None = None,
         *,
-        axis_name: str | tuple[str, ...] | None = None,
+        axis_name: str | tuple[str, ...] | dict[str, Any] | None = None,
         hooks: Sequence[Hook] = (),
         **options: Any,
     ) -> None:

@@ -111,7 +111,7 @@ def test_no_nan_reaches_any_built_in_hooks_state(scaler, loss):
     # README and docs/guarantees.md: no nan reaches any state. The gradient
     # norm hook used to record the nan norm of a nan step (now inf).
     params = {"w": jnp.ones(2), "b": jnp.ones(1)}
-    tx = jls.loss_scaling(optax.sgd(0.1), scaler, axis_name="i", **EVERY_HOOK)
+    tx = jls.loss_scaling(optax.sgd(0.1), scaler, axis_name={"i": False}, **EVERY_HOOK)
     states = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(params))
     names = {h.name for h in config_of(tx).hooks}
     assert names == {

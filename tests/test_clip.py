@@ -280,8 +280,8 @@ def test_replicas_apply_the_same_factor():
     # same factor.
     rule = jls.hooks.SpikeRule(threshold=2.0, warmup=3, window=10, action="clip")
     tx = jls.loss_scaling(
-        optax.sgd(1.0), jls.no_scale(), axis_name="r", skip_spikes=rule
-    )
+        optax.sgd(1.0), jls.no_scale(), axis_name={"r": True}, skip_spikes=rule
+    )  # each replica's gradient its own: added as shards
     params = jnp.zeros((4, 32))
     state = jax.vmap(tx.init)(params)
     update = jax.jit(jax.vmap(tx.update, axis_name="r"))

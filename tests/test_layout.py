@@ -19,8 +19,8 @@ PACKAGE = ROOT / "jls"
 
 # Lowest first: a module may import only from layers below its own.
 LAYERS = [
-    ["jls._validate", "jls._compat", "jls._shards", "jls.hooks._blocks"],
-    ["jls._state", "jls._composition"],
+    ["jls._validate", "jls._compat", "jls.hooks._blocks"],
+    ["jls._state", "jls._composition", "jls._shards"],
     ["jls._tree"],
     ["jls._scaling"],
     ["jls._rule"],

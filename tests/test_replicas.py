@@ -151,3 +151,25 @@ def test_under_check_vma_replicas_are_equal_by_type_and_nothing_is_compared():
     jaxpr = jax.make_jaxpr(step)(p, tx.init(p))
     assert "pmax" not in str(jaxpr)  # no comparison was made
     assert int(jls.metrics(jax.jit(step)(p, tx.init(p)))["replica_mismatches"]) == 0
+
+
+def _mismatches(axis_name):
+    """A named vmap of 4: "s" sharded (its shards differ), "r" averaged."""
+    tx = jls.loss_scaling(
+        optax.sgd(0.1), jls.no_scale(), axis_name=axis_name, check_replicas=True
+    )
+    params = {"r": jnp.ones(2), "s": jnp.ones(2)}
+
+    def device(i):
+        grads = {"r": jnp.ones(2), "s": jnp.full(2, i)}
+        return jls.metrics(tx.update(grads, tx.init(params), params)[1])
+
+    return jax.vmap(device, axis_name="batch")(jnp.arange(4.0))["replica_mismatches"]
+
+
+def test_leaves_declared_sharded_are_not_compared():
+    assert _mismatches({"batch": {"r": False, "s": True}}).tolist() == [0] * 4
+    assert _mismatches({"batch": {"r": False, "s": P("batch")}}).tolist() == [0] * 4
+    # Declared replicated, the differing shards are a mismatch; undeclared too.
+    assert _mismatches({"batch": False}).tolist() == [1] * 4
+    assert _mismatches("batch").tolist() == [1] * 4

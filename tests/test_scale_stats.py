@@ -244,7 +244,7 @@ def test_every_n_agrees_across_replicas():
     tx = jls.loss_scaling(
         optax.sgd(0.1),
         jls.no_scale(),
-        axis_name="r",
+        axis_name={"r": True},  # each replica's gradient its own: added
         scale_stats=jls.hooks.ScaleStats(every=2),
     )
     state = tx.init(params)

@@ -90,8 +90,8 @@ def test_decide_reports_the_range_and_norm():
 def test_replicas_agree_on_the_measurements():
     params = {"w": jnp.ones((8, 4))}
     tx = jls.loss_scaling(
-        optax.sgd(0.1), jls.measured_scale(), axis_name="r", gradient_norm=True
-    )
+        optax.sgd(0.1), jls.measured_scale(), axis_name={"r": True}, gradient_norm=True
+    )  # each replica's gradient its own: added as shards
     state = tx.init(params)
     grads = {"w": jnp.arange(1.0, 3.0)[:, None, None] * jnp.ones((2, 8, 4)) * 2.0**15}
 

@@ -553,3 +553,37 @@ def test_eager_steps_compile_nothing_after_the_first():
     finally:
         logger.removeHandler(handler)
     assert compiles == []
+
+
+def _stagnation_on_named_axis(axis_name):
+    """16 of 20 entries stuck: 4 mirrored shards of 4, beside 4 replicated that move.
+
+    Every entry of the sharded leaf is stuck (its shards equal) and every
+    entry of the replicated one moves.
+    """
+    tx = jls.loss_scaling(
+        optax.sgd(1.0),
+        jls.no_scale(),
+        axis_name=axis_name,
+        hooks=[jls.hooks.Stagnation(every=1)],
+    )
+    params = {"r": jnp.ones(4, jnp.bfloat16), "s": jnp.ones(4, jnp.bfloat16)}
+    grads = {"r": jnp.full(4, 0.25), "s": jnp.full(4, 1e-4)}
+
+    def device(_):
+        return jls.apply_gradients(tx, grads, tx.init(params), params)[1]
+
+    state = jax.vmap(device, axis_name="dp")(jnp.arange(4))
+    return np.asarray(jls.metrics(state)["stagnant_fraction"]).tolist()
+
+
+def test_mirrored_shards_are_each_counted_without_vma():
+    assert (
+        _stagnation_on_named_axis({"dp": {"r": False, "s": True}})
+        == [np.float32(0.8)] * 4
+    )
+
+
+def test_an_undeclared_axis_is_refused_without_vma():
+    with pytest.raises(ValueError, match=r"axis_name=\{'dp': False\}.*got axis_name"):
+        _stagnation_on_named_axis("dp")

@@ -47,7 +47,9 @@ class HookContext(NamedTuple):
 
     Attributes:
       scaler: the transformation's `jls.LossScaler`.
-      axis_name: its ``axis_name``, a tuple (empty without one).
+      axis_name: its ``axis_name``, a tuple (empty without one); given as a
+        dict, a tuple of its keys whose ``sharded`` is the dict
+        (`jls._shards.shard_axes` reads it).
       hooks: every hook of the transformation, in order.
     """
 
@@ -74,7 +76,7 @@ class StepInfo(NamedTuple):
         replicas: true where any replica's is.
       same_on_replicas: whether a list of float32 scalars is bitwise equal
         on every replica of ``axis_name``, or of the axes given second.
-      axis_name: the transformation's ``axis_name``, a tuple (maybe empty).
+      axis_name: the transformation's ``axis_name``, as in `HookContext`.
       reads: what the hooks read of the updates, by name
         (`Hook.read_updates`; zeros on a skipped step; ``None`` in
         `Hook.veto`).

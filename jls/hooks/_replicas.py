@@ -11,6 +11,7 @@ import numpy as np
 
 from jls._compat import tracked_in
 from jls._finite import inexact_leaves
+from jls._shards import shard_axes
 from jls._tree import plain
 from jls.hooks._hooks import Hook, HookContext, StepInfo
 
@@ -48,8 +49,10 @@ class ReplicaCheck(Hook):
     each floating leaf's first element, bitwise, across the replicas (one
     small collective; a difference confined to other elements is missed) and
     reports ``replicas_differ`` and ``replica_mismatches`` (vetoed finite
-    steps count too). Under ``shard_map(check_vma=True)`` jax's types already
-    keep replicas equal: nothing is compared.
+    steps count too). Leaves ``axis_name`` declares sharded over the compared
+    axes (a dict, `jls.loss_scaling`) are not compared. Under
+    ``shard_map(check_vma=True)`` jax's types already keep replicas equal:
+    nothing is compared.
 
     Attributes:
       axes: the data-parallel axes compared over (``check_replicas="data"``
@@ -82,7 +85,11 @@ class ReplicaCheck(Hook):
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> ReplicaCheckState:
         del vetoed
         axes = self.axes or tuple(info.axis_name)
-        values = fingerprint(info.grads)
+        grads = jax.tree.leaves(info.grads)
+        if getattr(info.axis_name, "sharded", None) is not None:  # declared
+            shards = shard_axes(info.grads, info.axis_name, "check_replicas")
+            grads = [g for g, a in zip(grads, shards, strict=True) if not a & set(axes)]
+        values = fingerprint(grads)
         if not values or tracked_in(info.grads, axes):
             same = jnp.asarray(True)  # jax's types make replicas equal
         elif len(axes) > 1 and not self.axes:

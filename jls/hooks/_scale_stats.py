@@ -2,8 +2,8 @@
 
 Both statistics come from one variadic reduction per leaf, which XLA fuses
 with the gradient's producer as it does the check. Every replica reports
-the same, as for the gradient norm (`jls._shards.global_rows`): a leaf
-sharded over an axis has its counts added over it, a replicated one not.
+the same, as for the gradient norm (`jls._shards`): a leaf sharded over an
+axis has its counts added over it, a replicated one not.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls._compat import tracked_in, varying_axes
 from jls._finite import inexact_leaves, is_complex, one_reduction_is_safe
 from jls._scaling import compute_dtype
-from jls._shards import global_rows
+from jls._shards import global_rows, shard_axes
 from jls._tree import plain
 from jls._validate import integer
 from jls.hooks._hooks import Hook, StepInfo
@@ -146,11 +145,12 @@ class ScaleStats(Hook):
     def _measure(self, info: StepInfo) -> tuple[jax.Array, jax.Array]:
         """This step's ``(underflow_fraction, headroom_bits)``."""
         info_ = jnp.finfo(self.dtype)
-        named = tuple(info.axis_name)
-        leaves = [x for x in inexact_leaves(info.grads) if x.size]
-        tracked = tracked_in(leaves, named)
+        shards = shard_axes(info.grads, info.axis_name, "ScaleStats")
         rows, varying = [], []
-        for x in leaves:
+        for leaf, axes in zip(jax.tree.leaves(info.grads), shards, strict=True):
+            x = next(iter(inexact_leaves(leaf)), None)
+            if x is None or not x.size:
+                continue
             wide = compute_dtype(jnp.real(x).dtype)
             # A complex entry's largest component: each overflows on its own.
             a = jnp.abs(x) if not is_complex(x) else _largest_part(x)
@@ -161,10 +161,10 @@ class ScaleStats(Hook):
             short = (jnp.log2(h) - jnp.log2(top)).astype(jnp.float32)
             f32 = jnp.float32
             rows.append(jnp.stack([c.astype(f32), f32(x.size), short]))
-            varying.append(varying_axes(x) if tracked else frozenset())
+            varying.append(axes)
         count, size = jnp.float32(0), jnp.float32(0)
         bits = jnp.float32(jnp.inf)
-        for c, n, short in global_rows(rows, varying, named, tracked, added=2):
+        for c, n, short in global_rows(rows, varying, added=2):
             bits = jnp.minimum(bits, -short)
             count, size = count + c, size + n
         fraction = jnp.where(size > 0, count / jnp.maximum(size, 1), 0)

@@ -20,9 +20,8 @@ import numpy as np
 from jax import lax
 from jax.core import Tracer
 
-from jls._compat import tracked_in, varying_axes
 from jls._finite import counts
-from jls._shards import global_rows
+from jls._shards import global_rows, shard_axes
 from jls._tree import plain
 from jls._validate import integer
 from jls.hooks._blocks import cut_axis, read_block
@@ -71,17 +70,18 @@ def _blocks(
     return p, u, last % every == phase
 
 
-def _agreed(rows: list[jax.Array], named: tuple[str, ...]) -> tuple[Any, Any]:
+def _agreed(rows: Any, named: tuple[str, ...]) -> tuple[Any, Any]:
     """``(stuck, moving)`` over every replica and shard, float32 scalars.
 
-    Each leaf's row is made global on its own (`jls._shards.global_rows`):
-    the same on every device, so the state stays replicated.
+    ``rows``: the parameters' tree of rows. Each leaf's row is added over
+    the axes its leaf is sharded over (`jls._shards`): the same on every
+    device, so the state stays replicated.
     """
-    if not rows:
+    if not jax.tree.leaves(rows):
         return jnp.float32(0), jnp.float32(0)
-    tracked = tracked_in(rows, named)
-    varying = [varying_axes(r) if tracked else frozenset() for r in rows]
-    total = jnp.sum(jnp.stack(global_rows(rows, varying, named, tracked, added=2)), 0)
+    varying = shard_axes(rows, named, "Stagnation")
+    rows = global_rows(jax.tree.leaves(rows), varying, added=2)
+    total = jnp.sum(jnp.stack(rows), 0)
     return total[0], total[1]
 
 
@@ -138,7 +138,10 @@ class Stagnation(Hook):
         return True
 
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
-        """Per floating leaf, ``[stuck, moving]`` (float32): this device's counts."""
+        """Per leaf, ``[stuck, moving]`` (float32): this device's counts.
+
+        In the parameters' tree (``None`` where not floating or not updated).
+        """
         leaves, treedef = jax.tree.flatten(new_params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
         phase = state.phase % self.every  # a state from another cycle length
@@ -146,19 +149,20 @@ class Stagnation(Hook):
         for p, u in zip(leaves, ups, strict=True):
             dtype = getattr(p, "dtype", None)
             if u is None or dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+                rows.append(None)
                 continue
             p, u = jnp.asarray(p), jnp.asarray(u)
             valid: Any = True
             if self.every > 1:
                 p, u, valid = _blocks(p, u, phase, self.every)
             rows.append(jnp.stack(_entry_counts(p, u, valid)))
-        return rows
+        return jax.tree.unflatten(treedef, rows)
 
     def update(self, state: Any, info: StepInfo, vetoed: Any) -> StagnationState:
         del vetoed
         assert info.applied is not None and info.reads is not None
         rows = info.reads[self.name]  # zeros on a skipped step
-        read_stuck, read_moving = _agreed(rows, tuple(info.axis_name))
+        read_stuck, read_moving = _agreed(rows, info.axis_name)
         stuck = state.stuck + read_stuck
         moving = state.moving + read_moving
         phase = jnp.where(info.applied, state.phase + 1, state.phase)

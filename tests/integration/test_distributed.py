@@ -224,14 +224,17 @@ def agreement():
     return json.loads(_run([DIST / "agreement.py"], 4).strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("mirrored", ["", "m"])
 @pytest.mark.parametrize(
     "case", ["vmaTrue_namedNone", "vmaTrue_namedx", "vmaFalse_namedx"]
 )
-def test_the_norm_of_a_sharded_gradient_is_the_global_norm(agreement, case):
-    # Sums of squares over a sharded axis are added, named or not, with or
-    # without jax recording the varying axes.
-    got = agreement["norm"]["got"][case]
-    np.testing.assert_allclose(got, [agreement["norm"]["true"]] * 4, rtol=1e-6)
+def test_the_norm_of_a_sharded_gradient_is_the_global_norm(agreement, case, mirrored):
+    # Sums of squares over a sharded axis are added, named (with the sharded
+    # leaves) or not, with or without jax recording the varying axes; shards
+    # that are equal ("m", mirrored) too.
+    got = agreement["norm"]["got"][case + mirrored]
+    true = agreement["norm"]["true_mirrored" if mirrored else "true"]
+    np.testing.assert_allclose(got, [true] * 4, rtol=1e-6)
 
 
 def test_without_vma_an_unnamed_axis_is_invisible(agreement):

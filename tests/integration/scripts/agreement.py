@@ -6,6 +6,7 @@ Each case returns what every device computed, so the test can compare them.
 """
 
 import functools
+import itertools
 import json
 
 import jax
@@ -28,9 +29,10 @@ def _stack_norm(tree):
 
 
 # 1. The norm of a gradient sharded over a shard_map axis is the global norm,
-# whether the axis is named (as check_vma=False needs) or not, and whether
-# jax records the varying axes or not. One leaf is sharded, one replicated,
-# one small leaf sharded and one small replicated.
+# whether the axis is named (with the sharded leaves, as check_vma=False
+# needs) or not, and whether jax records the varying axes or not. One leaf is
+# sharded, one replicated, one small leaf sharded and one small replicated;
+# then the same with every shard of a sharded leaf equal (mirrored).
 grads = {
     "w": jnp.arange(1.0, 17.0).reshape(4, 4),
     "r": jnp.full((3,), 2.0),
@@ -38,36 +40,46 @@ grads = {
 }
 specs = {"w": P("x"), "r": P(), "s": P("x")}
 true_norm = _stack_norm(jax.tree.leaves(grads))
-placed = jax.tree.map(
-    lambda g, s: jax.device_put(g, NamedSharding(mesh, s)), grads, specs
-)
+
+
+def place(tree):
+    return jax.tree.map(
+        lambda g, s: jax.device_put(g, NamedSharding(mesh, s)), tree, specs
+    )
+
+
+placed = place(grads)
+mirrored = {"w": jnp.tile(jnp.arange(1.0, 5.0), (4, 1)), "r": grads["r"]}
+mirrored["s"] = jnp.tile(jnp.arange(1.0, 3.0), 4)
 norms = {}
-for check_vma in (True, False):
-    for named in (None, "x"):
-        tx = jls.loss_scaling(
-            optax.sgd(0.0), jls.no_scale(), gradient_norm=True, axis_name=named
+for check_vma, named, kind in itertools.product((True, False), (None, "x"), ("", "m")):
+    declared = None if named is None else {named: specs}
+    tx = jls.loss_scaling(
+        optax.sgd(0.0), jls.no_scale(), gradient_norm=True, axis_name=declared
+    )
+
+    def norm_step(g, s, tx=tx):
+        _, new = tx.update(g, s, g)
+        return jls.metrics(new)["gradient_norm"][None]
+
+    out = jax.jit(
+        jax.shard_map(
+            norm_step,
+            mesh=mesh,
+            in_specs=(specs, P()),
+            out_specs=P("x"),
+            check_vma=check_vma,
         )
-        state = tx.init(grads)
-
-        def norm_step(g, s, tx=tx):
-            _, new = tx.update(g, s, g)
-            return jls.metrics(new)["gradient_norm"][None]
-
-        out = jax.jit(
-            jax.shard_map(
-                norm_step,
-                mesh=mesh,
-                in_specs=(specs, P()),
-                out_specs=P("x"),
-                check_vma=check_vma,
-            )
-        )(placed, state)
-        norms[f"vma{check_vma}_named{named}"] = np.asarray(out).tolist()
+    )(place(mirrored) if kind else placed, tx.init(grads))
+    norms[f"vma{check_vma}_named{named}{kind}"] = np.asarray(out).tolist()
 report["norm"] = {"true": true_norm, "got": norms}
+report["norm"]["true_mirrored"] = _stack_norm(jax.tree.leaves(mirrored))
 
 # 2. Data parallel under pmap: gradients averaged (replicated) keep their own
 # norm, not sqrt(N) times it; under a named vmap too.
-tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), gradient_norm=True, axis_name="r")
+tx = jls.loss_scaling(  # averaged: replicated over "r"
+    optax.sgd(0.0), jls.no_scale(), gradient_norm=True, axis_name={"r": False}
+)
 params = {"w": jnp.ones((4, 4)), "b": jnp.ones(3)}
 per_replica = jax.tree.map(lambda p: jnp.stack([p * (i + 1) for i in range(N)]), params)
 
@@ -188,7 +200,7 @@ stats_placed = jax.tree.map(
 report["scale_stats"] = {}
 for check_vma in (True, False):
     tx = jls.loss_scaling(
-        optax.sgd(0.0), jls.no_scale(), scale_stats=True, axis_name="x"
+        optax.sgd(0.0), jls.no_scale(), scale_stats=True, axis_name={"x": stats_specs}
     )
 
     def stats_step(g, s, tx=tx):
@@ -207,7 +219,9 @@ for check_vma in (True, False):
     )(stats_placed, tx.init(stats_grads))
     report["scale_stats"][f"vma{check_vma}"] = np.asarray(out).tolist()
 
-tx = jls.loss_scaling(optax.sgd(0.0), jls.no_scale(), scale_stats=True, axis_name="r")
+tx = jls.loss_scaling(  # each replica's gradient its own: added
+    optax.sgd(0.0), jls.no_scale(), scale_stats=True, axis_name={"r": True}
+)
 per_replica = {"w": jnp.stack([jnp.full(4, 2.0**i) for i in range(N)])}
 
 

@@ -308,7 +308,7 @@ for layout, specs in LAYOUTS.items():
                 optax.sgd(0.1),
                 jls.no_scale(),
                 gradient_norm=True,
-                axis_name=axes,
+                axis_name=dict.fromkeys(axes, specs),  # sharded: as placed
                 check_replicas=check,
             )
 

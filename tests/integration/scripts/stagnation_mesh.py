@@ -93,10 +93,13 @@ bf16 = jnp.bfloat16
 mixed = {"r": jnp.ones(8, bf16), "s": jnp.ones(64, bf16)}
 moving = (np.arange(64) % 8 < np.arange(64) // 8 + 1).astype(np.float32)
 grads = {"r": jnp.full(8, 1e-4), "s": jnp.asarray(0.1 * moving)}
-tx = jls.loss_scaling(
-    optax.sgd(-1.0), jls.no_scale(), axis_name="dp", hooks=[jls.hooks.Stagnation(2)]
-)
 specs = {"r": P(), "s": P("dp")}
+tx = jls.loss_scaling(  # jax records no varying axes under check_vma=False, pmap
+    optax.sgd(-1.0),
+    jls.no_scale(),
+    axis_name={"dp": specs},
+    hooks=[jls.hooks.Stagnation(2)],
+)
 
 
 def body(g, s, p):
