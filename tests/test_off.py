@@ -116,8 +116,9 @@ def _entry_ops(step, *args, donate):
     return len(ops), sum(" copy(" in line for line in ops)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("donate", [False, True])
-def test_the_off_switch_adds_two_scalar_ops_and_no_copy_when_donated(donate):
+def test_the_off_switch_adds_two_scalar_ops_and_no_copy_when_donated(donate, fused):
     # Deterministic proxy of the fixed cost of a small step: the off switch
     # adds one select (the scale set to 1, the loss record to False), and
     # each of the state's other scalars passes through: in place when
@@ -131,7 +132,10 @@ def test_the_off_switch_adds_two_scalar_ops_and_no_copy_when_donated(donate):
         return jnp.sum((x @ p["w"] + p["b"][None]) ** 2)
 
     def off(params, state, x):
-        updates, state = tx.update(jax.grad(loss)(params, x), state, params)
+        grads = jax.grad(loss)(params, x)
+        if fused:
+            return jls.apply_gradients(tx, grads, state, params)
+        updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
     def plain(params, state, x):
