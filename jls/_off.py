@@ -1,10 +1,12 @@
 """The off switch: ``jls.no_scale(skip_nonfinite=False)`` is the plain optimizer.
 
 A scaler that never scales and never skips needs no check: the step is the
-inner optimizer's update, bitwise the plain step (``tests/test_off.py``
-compares the compiled programs). The gradients are not unscaled: restore a
-scaled run's state with ``jls.set_loss_scale(opt_state, 1.0)``. Any hook
-but the defaults takes the usual path.
+inner optimizer's update, bitwise the plain step, compiled to the plain
+program plus two scalar selects; the state's other scalars pass through
+(``tests/test_off.py`` compares the compiled programs). The gradients are
+not unscaled: restore a scaled run's state with
+``jls.set_loss_scale(opt_state, 1.0)``. Any hook but the defaults takes the
+usual path.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import numpy as np
 import optax
 
 from jls._rule import LossScaler
+from jls._state import overwritten
 from jls.hooks._divergence import Divergence
 from jls.hooks._hooks import Hook, LossScalingState
-from jls.hooks._nonfinite_loss import NonfiniteLoss
+from jls.hooks._nonfinite_loss import NonfiniteLoss, NonfiniteLossState
 
 
 def is_off(scaler: LossScaler, hooks: tuple[Hook, ...]) -> bool:
@@ -53,12 +56,13 @@ def off_step(
     """
     updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     out = optax.apply_updates(params, updates) if fused else updates
-    loss_scale = state.loss_scale._replace(scale=jnp.ones_like(state.loss_scale.scale))
-    hooks = dict(state.hooks)
-    if NonfiniteLoss.name in hooks:
-        hooks[NonfiniteLoss.name] = NonfiniteLoss.recorded(
-            hooks["nonfinite_loss"], loss
-        )
+    # Every other scalar passes through: a donated buffer is reused as it is.
+    loss_scale = state.loss_scale._replace(scale=overwritten(state.loss_scale.scale, 1))
+    hooks, name = dict(state.hooks), NonfiniteLoss.name
+    if name in hooks and loss is None:  # recorded as finite
+        hooks[name] = NonfiniteLossState(overwritten(hooks[name].nonfinite, False))
+    elif name in hooks:
+        hooks[name] = NonfiniteLoss.recorded(hooks[name], loss)
     return out, LossScalingState(loss_scale, inner_state, hooks)
 
 

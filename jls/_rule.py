@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from jls._state import LossScaleState, check_state, make_state
+from jls._state import LossScaleState, check_state, make_state, overwritten
 from jls._validate import positive_f32, scale_in, to_f32
 
 # The largest power of two whose float32 reciprocal is normal: up to this
@@ -164,6 +164,7 @@ class LossScaler:
             dropped = ~bool_scalar("applied", applied)
         i32 = jnp.int32
         retried = i32(0) if retries is None else jnp.asarray(retries, i32)
+        retried = overwritten(state.retries, retried)
         scale, growth_count, backoff_count, headroom = self._next(
             state, finite, dropped, magnitude, retried
         )
@@ -176,8 +177,7 @@ class LossScaler:
             consecutive_nonfinite=count_if(
                 ~finite, state.consecutive_nonfinite, i32(0)
             ),
-            # Derived from the input, so a donated buffer is reused, not dropped.
-            retries=state.retries * i32(0) + retried,
+            retries=retried,
             headroom=headroom,
         )
 
@@ -206,7 +206,7 @@ class LossScaler:
             consecutive_nonfinite=count_if(
                 ~finite, state.consecutive_nonfinite, i32(0)
             ),
-            retries=state.retries * i32(0),
+            retries=overwritten(state.retries, 0),
         )
 
     def _next(

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 class LossScaleState(NamedTuple):
@@ -82,6 +83,17 @@ def make_state(
             for name, dtype in _FIELD_DTYPES.items()
         }
     )
+
+
+def overwritten(old: jax.Array, value: Any) -> jax.Array:
+    """``value`` (of ``old``'s type) computed from ``old``: one select.
+
+    A constant output leaves a donated ``old`` unused, which shifts jax's
+    pairing of donated buffers with outputs: XLA then copies each scalar of
+    the state (and folds ``old * 0``). The barrier keeps the select, done in
+    place.
+    """
+    return jnp.where(lax.optimization_barrier(old) == value, old, value)
 
 
 def unwrap(leaf: Any) -> Any:

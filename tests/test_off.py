@@ -106,6 +106,51 @@ def test_the_off_switch_compiles_to_the_plain_program(donate):
     assert got["conditionals"] == 0
 
 
+def _entry_ops(step, *args, donate):
+    """The compiled step's instructions but its parameters, and its copies."""
+    jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    text = jitted.lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY ") :]
+    body = entry[: entry.index("\n}")].splitlines()[1:]
+    ops = [line for line in body if " parameter(" not in line]
+    return len(ops), sum(" copy(" in line for line in ops)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("donate", [False, True])
+def test_the_off_switch_adds_two_scalar_ops_and_no_copy_when_donated(donate, fused):
+    # Deterministic proxy of the fixed cost of a small step: the off switch
+    # adds one select (the scale set to 1, the loss record to False), and
+    # each of the state's other scalars passes through: in place when
+    # donated; copied out when not, as any output equal to an input is. It
+    # used to write constants: jax then paired the donated buffers with the
+    # wrong outputs and XLA copied every scalar of the state, twice.
+    adam = optax.adam(1e-3)
+    tx = jls.loss_scaling(adam, OFF)
+
+    def loss(p, x):
+        return jnp.sum((x @ p["w"] + p["b"][None]) ** 2)
+
+    def off(params, state, x):
+        grads = jax.grad(loss)(params, x)
+        if fused:
+            return jls.apply_gradients(tx, grads, state, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def plain(params, state, x):
+        updates, state = adam.update(jax.grad(loss)(params, x), state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jnp.ones((5, 3))
+    state = tx.init(PARAMS)
+    got, copies = _entry_ops(off, PARAMS, state, x, donate=donate)
+    want, plain_copies = _entry_ops(plain, PARAMS, adam.init(PARAMS), x, donate=donate)
+    passed = len(jax.tree.leaves((state.loss_scale, state.hooks))) - 2
+    assert copies - plain_copies == (0 if donate else passed)
+    assert got == want + 2 + copies - plain_copies
+
+
 def test_a_state_with_another_scale_is_reset_to_one():
     # A checkpoint from a float16 run (scale 2**15) resumed with the switch
     # off: the documented fix sets the scale to 1; the step resets it anyway.

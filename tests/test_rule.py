@@ -2,6 +2,8 @@
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,3 +81,22 @@ def test_the_default_ceiling_is_two_to_the_126():
     state = jls.dynamic_scale(2.0**126, growth_interval=1).init()
     state = jls.dynamic_scale(2.0**126, growth_interval=1).adjust(state, True)
     assert float(state.scale) == 2.0**126
+
+
+@pytest.mark.parametrize("donate", [(), (0,)])
+@pytest.mark.parametrize(
+    "scaler", [jls.dynamic_scale(), jls.static_scale(4.0), jls.measured_scale()]
+)
+def test_the_rule_writes_no_constant_into_the_state(scaler, donate):
+    # `retries` is 0 after a step without retries: computed from its input,
+    # it is one select done in place. As a constant it was copied out (twice
+    # when donated), a fixed cost of every small step.
+    def adjust(state, finite):
+        return scaler.adjust(state, finite), scaler.hold(state, finite)
+
+    step = jax.jit(adjust, donate_argnums=donate)
+    text = step.lower(scaler.init(), jnp.asarray(True)).compile().as_text()
+    entry = text[text.index("\nENTRY ") :]
+    assert not re.search(r" copy\(%constant", entry)
+    state, held = step(scaler.init()._replace(retries=jnp.int32(3)), True)
+    assert int(state.retries) == 0 and int(held.retries) == 0
