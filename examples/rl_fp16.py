@@ -122,7 +122,7 @@ def _norm(x, scale):
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, -1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
-    return ((x32 - mean) * lax.rsqrt(var + 1e-5)).astype(x.dtype) * scale
+    return ((x32 - mean) * lax.rsqrt(var + 1e-5)).astype(x.dtype) * scale[None, None]
 
 
 def _attend(q, k, v, mask, heads):
@@ -155,8 +155,8 @@ def forward(params, tokens, variant, heads):
     dtype, _, head_f32 = VARIANTS[variant]
     p = jax.tree.map(lambda x: x.astype(dtype), params)
     t = tokens.shape[1]
-    h = p["embed"][tokens] + p["pos"][:t]
-    mask = jnp.tril(jnp.ones((t, t), bool))
+    h = p["embed"][tokens] + p["pos"][None, :t]
+    mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
     for layer in p["layers"]:
         h, _, _ = _block(layer, h, lambda k, v: (k, v), mask, heads)
     return _head(params, p, h, head_f32)
@@ -191,8 +191,8 @@ def sample(params, prompts, key, variant, heads):
     def body(i, carry):
         tokens, logps, cache = carry
         token = lax.dynamic_slice_in_dim(tokens, i, 1, axis=1)
-        h = p["embed"][token] + lax.dynamic_slice_in_dim(p["pos"], i, 1)
-        mask = jnp.arange(LENGTH) <= i
+        h = p["embed"][token] + lax.dynamic_slice_in_dim(p["pos"], i, 1)[None]
+        mask = (jnp.arange(LENGTH) <= i)[None, None, None]
         new = []
         for layer, (kc, vc) in zip(p["layers"], cache, strict=True):
             kv = functools.partial(_write, kc, vc, i)
