@@ -138,9 +138,14 @@ def tables(summary: dict) -> str:
 
 def main(argv=None) -> str:
     """Writes the PNG and prints the tables; returns them."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").partition("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("folder", type=pathlib.Path, help="the run's --out folder")
-    parser.add_argument("--png", type=pathlib.Path, help="where to write the plot")
+    parser.add_argument(
+        "--png", type=pathlib.Path, help="where to write the plot (None: no plot)"
+    )
     parser.add_argument("--smooth", type=int, default=20, help="moving-mean window")
     args = parser.parse_args(argv)
     runs, summary = load(args.folder)

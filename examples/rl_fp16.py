@@ -1,4 +1,4 @@
-"""GRPO in float16 with jls: a transformer policy whose sampler and trainer agree.
+"""GRPO in float16 with jls: a transformer policy, a KV-cache sampler, a trainer.
 
 A small causal transformer (pure JAX, float32 master weights) learns to add
 two numbers (``"37+48="`` -> ``"580"``, the sum's digits lowest first, the
@@ -268,10 +268,8 @@ def make_steps(cfg: Config, variant: str):
         clipped = jnp.clip(ratio, 1 - cfg.clip, 1 + cfg.clip)
         return -jnp.mean(jnp.minimum(ratio * adv, clipped * adv)), logp
 
-    sft_update, rl_update = (
-        _update(sft_loss, tx, variant),
-        _update(grpo_loss, tx, variant),
-    )
+    sft_update = _update(sft_loss, tx, variant)
+    rl_update = _update(grpo_loss, tx, variant)
 
     def metrics(loss, out):
         keys = ("nonfinite", "skipped", "loss_scale")
@@ -299,17 +297,12 @@ def make_steps(cfg: Config, variant: str):
             params, opt_state, tokens, old_logp, adv.reshape(-1, 1)
         )
         gap = logp - old_logp  # the trainer's log-prob minus the sampler's
-        return (
-            params,
-            opt_state,
-            {
-                **metrics(loss, out),
-                "reward": reward.mean(),
-                "gap_mean": jnp.abs(gap).mean(),
-                "gap_max": jnp.abs(gap).max(),
-                "kl_k3": jnp.mean(jnp.expm1(gap) - gap),
-            },
-        )
+        m = metrics(loss, out) | {
+            "reward": reward.mean(),
+            "gap_mean": jnp.abs(gap).mean(),
+        }
+        m |= {"gap_max": jnp.abs(gap).max(), "kl_k3": jnp.mean(jnp.expm1(gap) - gap)}
+        return params, opt_state, m
 
     return tx, sft_step, rl_step
 
@@ -367,18 +360,27 @@ def _names(text: str) -> tuple[str, ...]:
 
 def main(argv=None) -> dict:
     """Trains the chosen variants from each seed; returns the summary."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").partition("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
-        "--variants", "--variant", type=_names, default=tuple(VARIANTS),
-        help=f"'all' (default) or a comma-separated subset of {','.join(VARIANTS)}",
+        "--variants", "--variant", type=_names, default="all",
+        help=f"'all' or a comma-separated subset of {','.join(VARIANTS)}",
     )  # fmt: skip
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (default 1)")
-    parser.add_argument("--sft-steps", type=int, help="supervised steps")
-    parser.add_argument("--rl-steps", type=int, help="GRPO steps")
+    parser.add_argument("--seeds", type=int, default=1, help="run seeds 0..N-1")
+    parser.add_argument(
+        "--sft-steps", type=int,
+        help=f"supervised steps (None: {Config.sft_steps}, --tiny {TINY.sft_steps})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rl-steps", type=int,
+        help=f"GRPO steps (None: {Config.rl_steps}, --tiny {TINY.rl_steps})",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="the CI configuration")
     parser.add_argument(
         "--out", type=pathlib.Path, default=pathlib.Path("jls-rl-fp16"),
-        help="folder for records.jsonl and summary.json (default ./jls-rl-fp16)",
+        help="folder for records.jsonl and summary.json",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.seeds < 1:
