@@ -101,7 +101,8 @@ def tables(summary: dict) -> str:
     for v, rs in by.items():
         m = mean[v]
         rewards = ", ".join(f"{r['reward']:.3f}" for r in rs)
-        scales = ", ".join(f"2**{np.log2(r['final_scale']):.0f}" for r in rs)
+        scales = ", ".join(rf"2\*\*{np.log2(r['final_scale']):.0f}" for r in rs)
+        scales = scales if any(r["final_scale"] != 1 for r in rs) else "-"
         nonfinite = sum(r["nonfinite_after_warmup"] for r in rs)
         lines.append(
             f"| {v} | {m['reward']:.3f} ({rewards}) | {m['gap_mean']:.2e} | "
