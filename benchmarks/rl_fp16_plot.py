@@ -28,13 +28,21 @@ import pathlib
 import numpy as np
 
 
-def load(folder: pathlib.Path):
-    """The run's per-step records grouped by variant and seed, and its summary."""
-    runs = collections.defaultdict(dict)
-    for line in (folder / "records.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        runs[r["variant"]].setdefault(r["seed"], []).append(r)
-    return runs, json.loads((folder / "summary.json").read_text())
+def load(folders: list[pathlib.Path]):
+    """The runs' per-step records grouped by variant and seed, and their summary.
+
+    The variants of every folder after the first are named with the folder's
+    name: ``bf16, no excess precision`` for ``bf16`` in ``no_excess_precision``.
+    """
+    runs, summary = collections.defaultdict(dict), {"runs": []}
+    for i, folder in enumerate(folders):
+        suffix = f", {folder.name.replace('_', ' ')}" if i else ""
+        for line in (folder / "records.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            runs[r["variant"] + suffix].setdefault(r["seed"], []).append(r)
+        for run in json.loads((folder / "summary.json").read_text())["runs"]:
+            summary["runs"].append(run | {"variant": run["variant"] + suffix})
+    return runs, summary
 
 
 def _curve(seeds: dict, key: str, smooth: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,22 +121,27 @@ def tables(summary: dict) -> str:
         return "\n".join(lines)
     low = min(r["reward"] for r in by["f32"])
     high = max(r["reward"] for r in by["f32"])
+    refs = [v for v in by if v.startswith("bf16")]  # bf16, and any beside it
     lines += [
         "",
-        "| variant | gap / bf16's (target <= 1/8) | non-finite after warm-up (0) | "
-        "skipped (<= 1%) | final reward in f32's spread "
-        f"[{low:.3f}, {high:.3f}] |",
-        "| --- | --- | --- | --- | --- |",
+        "| variant | "
+        + "".join(f"gap / {ref}'s (target <= 1/8) | " for ref in refs)
+        + "non-finite after warm-up (0) | skipped (<= 1%) | final reward in "
+        f"f32's spread [{low:.3f}, {high:.3f}] |",
+        "| --- | " + "--- | " * len(refs) + "--- | --- | --- |",
     ]
+    verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     for v in (v for v in by if v.startswith("f16-jls")):
-        ratio = mean[v]["gap_mean"] / mean["bf16"]["gap_mean"]
+        gaps = ""
+        for ref in refs:
+            ratio = mean[v]["gap_mean"] / mean[ref]["gap_mean"]
+            share = f"1/{1 / ratio:.0f}" if ratio < 0.5 else f"{ratio:.2f}"
+            gaps += f"{share}: {verdict(ratio <= 1 / 8)} | "
         nonfinite = sum(r["nonfinite_after_warmup"] for r in by[v])
         skipped = max(r["skipped_fraction"] for r in by[v])
         inside = [low <= r["reward"] <= high for r in by[v]]
-        verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
         lines.append(
-            f"| {v} | {f'1/{1 / ratio:.0f}' if ratio else '0'}: "
-            f"{verdict(ratio <= 1 / 8)} | {nonfinite}: "
+            f"| {v} | {gaps}{nonfinite}: "
             f"{verdict(nonfinite == 0)} | {100 * skipped:.1f}% (worst seed): "
             f"{verdict(skipped <= 0.01)} | mean {mean[v]['reward']:.3f}: "
             f"{verdict(low <= mean[v]['reward'] <= high)} ({sum(inside)} of "
@@ -143,13 +156,16 @@ def main(argv=None) -> str:
         description=(__doc__ or "").partition("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("folder", type=pathlib.Path, help="the run's --out folder")
+    parser.add_argument(
+        "folders", type=pathlib.Path, nargs="+",
+        help="the run's --out folder, then any other runs' to show beside it",
+    )  # fmt: skip
     parser.add_argument(
         "--png", type=pathlib.Path, help="where to write the plot (None: no plot)"
     )
     parser.add_argument("--smooth", type=int, default=20, help="moving-mean window")
     args = parser.parse_args(argv)
-    runs, summary = load(args.folder)
+    runs, summary = load(args.folders)
     if args.png:
         plot(runs, args.png, args.smooth)
         print(f"wrote {args.png}")
