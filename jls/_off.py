@@ -23,7 +23,7 @@ from jls._rule import LossScaler
 from jls._state import overwritten
 from jls.hooks._divergence import Divergence
 from jls.hooks._hooks import Hook, LossScalingState
-from jls.hooks._nonfinite_loss import NonfiniteLoss, NonfiniteLossState
+from jls.hooks._nonfinite_loss import NonfiniteLoss
 
 
 def is_off(scaler: LossScaler, hooks: tuple[Hook, ...]) -> bool:
@@ -59,9 +59,7 @@ def off_step(
     # Every other scalar passes through: a donated buffer is reused as it is.
     loss_scale = state.loss_scale._replace(scale=overwritten(state.loss_scale.scale, 1))
     hooks, name = dict(state.hooks), NonfiniteLoss.name
-    if name in hooks and loss is None:  # recorded as finite
-        hooks[name] = NonfiniteLossState(overwritten(hooks[name].nonfinite, False))
-    elif name in hooks:
+    if name in hooks:
         hooks[name] = NonfiniteLoss.recorded(hooks[name], loss)
     return out, LossScalingState(loss_scale, inner_state, hooks)
 

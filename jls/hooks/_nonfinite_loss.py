@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jls._state import overwritten
 from jls._tree import plain
 from jls.hooks._hooks import Hook, StepInfo
 
@@ -60,5 +61,5 @@ class NonfiniteLoss(Hook):
     def recorded(state: Any, loss: Any) -> NonfiniteLossState:
         """The new state: whether ``loss`` (``None``: not given) is not finite."""
         if loss is None:
-            return NonfiniteLossState(state.nonfinite & False)
+            return NonfiniteLossState(overwritten(state.nonfinite, False))
         return NonfiniteLossState(~jnp.isfinite(loss))
