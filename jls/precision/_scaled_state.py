@@ -81,13 +81,15 @@ def _encoded(x: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
     precision of ``dtype``.
     """
     wide = jnp.asarray(x).astype(jnp.float32)
-    info, mag = jnp.finfo(dtype), jnp.abs(wide)
+    info = jnp.finfo(dtype)
     target = info.maxexp - 2  # the largest in [2**14, 2**15) (float16)
-    top, low = jnp.max(mag), jnp.min(jnp.where(mag > 0, mag, jnp.inf))
+    # Plain reductions of ``wide``: XLA:CPU then keeps no |wide| in memory.
+    top = jnp.maximum(jnp.max(wide), -jnp.min(wide))
+    low = jnp.min(jnp.where(wide == 0, jnp.inf, jnp.abs(wide)))  # nonzero
     shift = _shift(top, target)
     root = jnp.ldexp(low, -shift) < info.smallest_normal
     shift = jnp.where(root, _shift(jnp.sqrt(top), target), shift)
-    wide = jnp.where(root, jnp.sign(wide) * jnp.sqrt(mag), wide)
+    wide = jnp.where(root, jnp.sign(wide) * jnp.sqrt(jnp.abs(wide)), wide)
     stored = (wide * jnp.ldexp(jnp.float32(1), -shift)).astype(dtype)
     return stored, jnp.ldexp(jnp.where(root, jnp.float32(-1), 1), shift)
 
