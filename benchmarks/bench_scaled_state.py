@@ -13,7 +13,7 @@ the worst entry's move over float32 Adam's (the one furthest from 1) and
 the state's bytes per moment entry, the scales included (the step count
 left out); ``--rounds`` times one update of a 1024 x 1024 array against
 float32 Adam's, by the process's CPU time (its median). Run: ``taskset -c 1
-python benchmarks/bench_scaled_state.py --steps 100 1000 --rounds 100``.
+python benchmarks/bench_scaled_state.py --steps 100 300 500 1000 --rounds 100``.
 """
 
 from __future__ import annotations
@@ -109,9 +109,16 @@ def timing(rounds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--steps", type=int, nargs="+", default=[100])
-    parser.add_argument("--rounds", type=int, default=0, help="time the update")
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--steps", type=int, nargs="+", default=[100], help="steps per table"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="time the update (0: do not)"
+    )
     args = parser.parse_args()
     steps = " ".join(map(str, args.steps))
     print(
