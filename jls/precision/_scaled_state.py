@@ -72,14 +72,7 @@ def _shift(top: jax.Array, target: int) -> jax.Array:
 
 
 def _encoded(x: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``x`` stored in ``dtype`` and its scale: negative for signed square roots.
-
-    An array whose smallest nonzero entry would fall below ``dtype``'s
-    normal range under one scale (a second moment at 2**-40 of its
-    largest, from a gradient at 2**-20) is stored as signed square roots,
-    which span half the binary orders; any other as it is, to the full
-    precision of ``dtype``.
-    """
+    """``x`` in ``dtype`` and its scale (negative: signed square roots, see above)."""
     wide = jnp.asarray(x).astype(jnp.float32)
     info = jnp.finfo(dtype)
     target = info.maxexp - 2  # the largest in [2**14, 2**15) (float16)
