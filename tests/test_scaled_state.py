@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import jls
@@ -95,6 +96,95 @@ def test_it_follows_float32_adam():
     # float16 storage: each moment to 11 bits; the paths agree closely.
     np.testing.assert_allclose(runs["scaled"], runs["float32"], atol=2e-3)
     np.testing.assert_allclose(runs["scaled"], np.asarray(target), atol=5e-3)
+
+
+def _spike_grads(ratio, shape, steps=40):
+    """Entries at ``ratio`` of a spike of 1 in one row at step 5 that decays."""
+    rng = np.random.default_rng(0)
+    g = ratio * rng.choice([-1.0, 1.0], shape) * rng.uniform(0.5, 1.5, (steps, *shape))
+    spike = np.maximum(0.7 ** (np.arange(steps) - 5.0), ratio)
+    g[5:, 0] = np.sign(g[5:, 0]) * spike[5:, None]
+    return jnp.asarray(g, jnp.float32)
+
+
+def _moves(tx, gs):
+    """The sum of ``tx``'s updates per entry (Adam's do not read the parameters)."""
+    p = jnp.zeros(gs.shape[1:])
+
+    def step(carry, g):
+        u, s = tx.update(g, carry[1], p)
+        return (carry[0] + u, s), None
+
+    return np.asarray(jax.lax.scan(step, (p, tx.init(p)), gs)[0][0])
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (64, 1)])  # a spike in a row, an entry
+def test_it_follows_float32_adam_inside_one_array(shape):
+    # One scale per array put an entry at 2**-20 of its array's largest
+    # gradient at 2**-40 in the second moment: flushed, it moved 2x and more.
+    for k in (8, 16, 20, 24):
+        gs = _spike_grads(2.0**-k, shape)
+        ref = _moves(optax.adam(1.0), gs)
+        tx = jls.precision.scaled_state(optax.adam(1.0))
+        got = _moves(tx, gs)
+        np.testing.assert_allclose(got / ref, 1.0, atol=0.05, err_msg=f"2**-{k}")
+
+
+def test_an_array_beyond_float16s_range_is_held_as_signed_square_roots():
+    params = jnp.ones((2, 64), jnp.float16)
+    tx = jls.precision.scaled_state(optax.adam(1e-3))
+    g = jnp.full((2, 64), 2.0**-24, jnp.float32).at[0].set(-1.0)
+    _, state = tx.update(g, tx.init(params), params)
+    nu, (mu_scale, nu_scale) = state.inner_state[0].nu, state.scales
+    # mu's range (2**-24) fits float16's normal range: stored as it is.
+    assert float(mu_scale) > 0 and np.frexp(float(mu_scale))[0] == 0.5
+    # nu's (2**-48) does not: signed square roots, flagged by a negative scale.
+    assert float(nu_scale) < 0 and np.frexp(float(nu_scale))[0] == -0.5
+    top = float(jnp.max(jnp.abs(nu.astype(jnp.float32))))
+    assert 2**14 <= top < 2**15
+    root = np.asarray(nu, np.float32) * np.float32(-nu_scale)
+    decoded = state.decoded()[0]
+    np.testing.assert_array_equal(decoded.nu, root * np.abs(root))  # exact
+    want = optax.adam(1e-3).update(g, optax.adam(1e-3).init(g), g)[1][0]
+    np.testing.assert_allclose(decoded.nu, want.nu, rtol=2**-10)  # was 0 at 2**-48
+    np.testing.assert_allclose(decoded.mu, want.mu, rtol=2**-11)
+
+
+def _encode_0_4(tree):
+    """The storage of jls 0.4 (a2c8b71): each array as it is, its scale positive."""
+    leaves, scales = [], []
+    for x in jax.tree.leaves(tree):
+        if np.ndim(x) == 0:
+            leaves.append(x)
+            continue
+        _, e = np.frexp(np.max(np.abs(x)))
+        scales.append(jnp.float32(2.0 ** (int(e) - 15)))
+        leaves.append(jnp.asarray(x / scales[-1], jnp.float16))
+    return jax.tree.unflatten(jax.tree.structure(tree), leaves), tuple(scales)
+
+
+def test_a_0_4_checkpoint_restores_and_steps_as_it_did(tmp_path):
+    params = {"w": jnp.ones((4, 8), jnp.float16)}
+    g = {"w": jnp.linspace(-1.0, 1.0, 32, dtype=jnp.float32).reshape(4, 8)}
+    adam = optax.adam(1e-3)
+    wide = adam.update(g, adam.init(g), g)[1]
+    old = jls.precision.ScaledState(*_encode_0_4(wide))
+    tx = jls.precision.scaled_state(adam)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path.absolute() / "ckpt", old)
+    with ocp.StandardCheckpointer() as ckptr:
+        raw = ckptr.restore(tmp_path.absolute() / "ckpt")
+    state = jls.upgrade_state(raw, tx.init(params))
+    chex.assert_trees_all_equal(state, old)
+    mu, nu = (
+        {"w": m["w"].astype(jnp.float32) * s}
+        for m, s in zip(old[0][0][1:], old[1], strict=True)
+    )
+    decoded = old.inner_state[0]._replace(mu=mu, nu=nu)
+    chex.assert_trees_all_equal(state.decoded()[0], decoded)
+    # The next step is 0.4's: Adam in float32 on ``stored * scale``.
+    want = adam.update(g, (decoded, old.inner_state[1]), params)[0]
+    chex.assert_trees_all_equal(tx.update(g, state, params)[0], want)
 
 
 @pytest.mark.parametrize("fused", [False, True])
