@@ -89,11 +89,7 @@ def hooks_from_options(
 
 
 def keywords_refused(options: Mapping[str, Any]) -> TypeError:
-    """`jls.LossScaling`'s error for keywords it does not take, naming the fix.
-
-    A feature keyword gets the hooks `jls.loss_scaling` would make (defaults
-    included); any other keyword Python's own message.
-    """
+    """`jls.LossScaling`'s error for keywords it does not take, naming the fix."""
     unknown = [name for name in options if name not in FEATURES]
     if unknown:
         return TypeError(

@@ -1,7 +1,6 @@
 """A loss-scaled step's configuration: validated once, frozen, closed over.
 
-`make_config` checks every argument of `jls.LossScaling` when the
-transformation is made; the step's pure functions (`jls._core`) read
+`make_config` checks every argument of `jls.LossScaling`; the step reads
 nothing else.
 """
 

@@ -17,12 +17,9 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from jls._scaling import SINGLE_FACTOR_MAX
 from jls._state import LossScaleState, check_state, make_state, overwritten
 from jls._validate import positive_f32, scale_in, to_f32
-
-# The largest power of two whose float32 reciprocal is normal: up to this
-# scale one multiplication by ``1 / scale`` unscales exactly on every backend.
-SINGLE_FACTOR_MAX = 2.0**126
 
 
 def bool_scalar(name: str, value: ArrayLike) -> jax.Array:
@@ -127,12 +124,11 @@ class LossScaler:
 
         Args:
           state: the current `LossScaleState`.
-          grads_finite: a scalar bool, whether this step's gradients were all
-            finite.
-          applied: a scalar bool, whether the step's update was applied (the
-            skip counters); by default, from ``grads_finite``.
-          magnitude: a float32 scalar, the largest root-mean-square of the
-            step's scaled gradients, which the measured rule follows.
+          grads_finite: a scalar bool, whether the gradients were all finite.
+          applied: a scalar bool, whether the update was applied (default:
+            from ``grads_finite``).
+          magnitude: a float32 scalar, the scaled gradients' largest
+            root-mean-square (the measured rule follows it).
           retries: how many times this step's gradients were recomputed (`retry`).
 
         Returns:
