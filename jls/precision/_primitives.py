@@ -1,9 +1,8 @@
 """Which jax primitives are matmuls, which need float32, which are collectives.
 
 `jls.precision.autocast` casts by these lists and
-`jls.precision.precision_report` counts by them. They hold names, so one
-absent from the installed jax costs nothing; ``tests/test_primitives.py``
-fails on any matmul-like or collective primitive of jax not named here.
+`jls.precision.precision_report` counts by them; they hold names, so one
+absent from the installed jax costs nothing.
 """
 
 from __future__ import annotations
@@ -32,14 +31,8 @@ MATMULS = CAST | frozenset(
     }
 )
 
-# The ops that need float32's range or precision, computed by autocast in
-# float32 (at least): torch autocast's float32 list (exp, log, pow, rsqrt,
-# sums, products, cumulative sums, the losses, softmax, log-softmax,
-# logsumexp, the norms) as the jax primitives those are made of. A softmax,
-# a log-softmax, a cross-entropy, a mean or a variance is made of these
-# (``exp``, ``log``, ``reduce_sum``, ``square``), so it lands in float32
-# however it is written; what follows stays float32 until a matmul casts
-# down.
+# The ops autocast computes in float32 (at least): torch autocast's float32
+# list as the jax primitives those are made of.
 FLOAT32 = frozenset(
     {
         "exp",
