@@ -1,9 +1,7 @@
 """Data-parallel averaging that gives the single-device step on every mesh.
 
-`local` marks parameters varying and `mean` averages once (in float32 at
-least); where jax sums a float16 gradient itself, the loss is scaled by
-`share` (``2**-k``) and `mean` multiplies it back, exactly
-(docs/parallelism.md).
+`mean` averages once, in float32 at least; where jax sums a float16 gradient
+itself, the loss is scaled by `share` and `mean` multiplies it back, exactly.
 """
 
 from __future__ import annotations

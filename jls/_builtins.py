@@ -1,8 +1,4 @@
-"""The hooks `jls.loss_scaling`'s feature keywords stand for.
-
-`hooks_from_options` alone turns them into hooks; `keywords_refused` is
-`jls.LossScaling`'s error for them, naming the hooks they stand for.
-"""
+"""The hooks `jls.loss_scaling`'s feature keywords stand for."""
 
 from __future__ import annotations
 

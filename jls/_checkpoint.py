@@ -1,8 +1,4 @@
-"""`upgrade_state`: checkpoints of an older jls, whose states had fewer fields.
-
-It maps the checkpoint onto the target's structure and fills only jls's own
-missing fields from the target; any other mismatch is an error naming the path.
-"""
+"""`upgrade_state`: checkpoints of an older jls, whose states had fewer fields."""
 
 from __future__ import annotations
 

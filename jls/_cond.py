@@ -1,8 +1,7 @@
 """The skip: each new leaf selected against its old one, bitwise.
 
 One ``lax.select`` per leaf, never a ``0 * x`` mask (nan for an inf ``x``);
-skipped updates are ``-0.0`` (`zeros_like`). ``docs/performance.md`` compares
-the other forms.
+skipped updates are ``-0.0`` (`zeros_like`).
 """
 
 from __future__ import annotations

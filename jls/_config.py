@@ -1,8 +1,4 @@
-"""A loss-scaled step's configuration: validated once, frozen, closed over.
-
-`make_config` checks every argument of `jls.LossScaling`; the step reads
-nothing else.
-"""
+"""A loss-scaled step's configuration: validated once, frozen, closed over."""
 
 from __future__ import annotations
 

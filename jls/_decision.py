@@ -1,8 +1,4 @@
-"""The decision: the check, the replicas' agreement and the hooks' vetoes.
-
-Every replica agrees (over ``axis_name`` and each ``shard_map`` axis a value
-varies over) before a user's hook sees a value.
-"""
+"""The decision: the check, the replicas' agreement and the hooks' vetoes."""
 
 from __future__ import annotations
 

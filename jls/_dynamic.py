@@ -131,8 +131,7 @@ class DynamicScale(LossScaler):
         f32 = jnp.float32
         if self.backoff_divisor is None:
             return scale * f32(self.backoff_factor)
-        # XLA turns x / constant into x * rounded(1 / constant); `scale - scale`
-        # (0 when finite, never folded because of nan) makes it no constant.
+        # `scale - scale` (0, never folded) stops XLA's x / c -> x * (1 / c).
         return scale / (f32(self.backoff_divisor) + (scale - scale))
 
 

@@ -85,8 +85,7 @@ def one_reduction_is_safe(x: jax.Array) -> bool:
 
 
 def _add(a: Any, b: Any) -> tuple[Any, ...]:
-    # One function for every call: lax.reduce caches its computation by it
-    # (a new lambda per call compiled the reduction anew on every eager step).
+    # One function for every call: lax.reduce caches its computation by it.
     return tuple(x + y for x, y in zip(a, b, strict=True))
 
 

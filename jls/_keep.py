@@ -1,8 +1,4 @@
-"""State outside the optimizer, kept as it was on a skipped step.
-
-A forward pass that overflowed writes inf or nan into the state a model
-updates outside any optimizer (BatchNorm's running statistics, an EMA).
-"""
+"""State outside the optimizer (BatchNorm statistics), kept on a skipped step."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The transformation's entry points: `loss_scaling`, `apply_gradients`, `metrics`.
-
-`loss_scaling` returns ``LossScaling(...).gradient_transformation()``;
-`apply_gradients` is the same object's fused path.
-"""
+"""The transformation's entry points: `loss_scaling`, `apply_gradients`, `metrics`."""
 
 from __future__ import annotations
 

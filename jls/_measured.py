@@ -1,8 +1,7 @@
 """The measured rule: the scale read off the gradients' range.
 
-The check is then a sum of squares (`jls._squares`), which gives the range
-too; a non-finite step still backs off and doubles the ``headroom``. Scales
-and headroom are powers of two: unscaling is exact.
+The check is then a sum of squares (`jls._squares`), which gives the range.
+Scales and headroom are powers of two: unscaling is exact.
 """
 
 from __future__ import annotations

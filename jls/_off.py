@@ -1,8 +1,7 @@
 """The off switch: ``jls.no_scale(skip_nonfinite=False)`` is the plain optimizer.
 
 A scaler that never scales and never skips needs no check: the step is the
-inner optimizer's update, bitwise, plus two scalar selects. Any hook but the
-defaults takes the usual path.
+inner optimizer's update, bitwise, plus two scalar selects.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`LossScaler`: what every loss-scale rule is, and what they all share.
 
-A rule is a frozen, validated dataclass closed over by the step, never state.
-Each rule (`jls._dynamic`, `jls._measured`) writes only ``_next``; this base
-class does the input checks, the range and the saturating skip counters.
+A rule is a frozen, validated dataclass closed over by the step. Each rule
+writes only ``_next``; this base class does the checks, range and counters.
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ class LossScaler:
     max_scale: float
     skip_nonfinite: bool
 
-    #: Whether the rule follows the gradients' measured range (the check is
-    #: then the squares check, which measures it).
+    #: Whether the rule follows the gradients' measured range.
     measures = False
 
     @property
@@ -153,8 +151,7 @@ class LossScaler:
         valid = self.in_range(state.scale)
         finite = bool_scalar("grads_finite", grads_finite) & valid
         if applied is None:
-            # Dropped when the gradients are not finite (unless the rule
-            # applies such steps), and always when the scale was invalid.
+            # Dropped when not finite (unless the rule applies such steps).
             dropped = ~finite if self.skip_nonfinite else ~valid
         else:
             dropped = ~bool_scalar("applied", applied)

@@ -1,8 +1,4 @@
-"""Scaling the loss and unscaling the gradients.
-
-`scale_loss` also tags the scales it hands out, per trace, so that an update
-can warn when two jls optimizers' states were swapped (`check_scaled_with`).
-"""
+"""Scaling the loss and unscaling the gradients (and warning of swapped states)."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ def compute_dtype(dtype: Any) -> Any:
 
 
 _SPLIT = 2.0**64
-# The largest power of two whose float32 reciprocal is normal: up to this
-# scale one multiplication by ``1 / scale`` unscales exactly on every backend.
+# The largest power of two whose float32 reciprocal is normal (one factor).
 SINGLE_FACTOR_MAX = 2.0**126
 
 
@@ -109,8 +104,7 @@ def unscale_tree(tree: Any, scale: jax.Array, *, two_factor: bool = True) -> Any
     return jax.tree.map(lambda x: unscale_leaf(x, factors), tree)
 
 
-# Per trace (a jit, vmap or shard_map being traced), weak references to the
-# scales `scale_loss` handed out in it: a trace and its tracers die with it.
+# Per trace, weak references to the scales `scale_loss` handed out in it.
 _HANDED_OUT: weakref.WeakKeyDictionary[Any, list[weakref.ref]] = (
     weakref.WeakKeyDictionary()
 )

@@ -47,10 +47,7 @@ class Measured(NamedTuple):
     flags: tuple[jax.Array, ...] = ()
 
 
-# The squares are also summed shrunk by 2**-84 (float64: 2**-532) when their
-# plain sum overflows: a square is then at most 2**88 (2**960), and 2**31
-# of them, with the worst rounding of the additions (a factor 129), stay
-# below the float32 (float64) maximum.
+# Shrunk by 2**-84 (float64: 2**-532), 2**31 squares stay below the maximum.
 _SHRINK_EXP = {np.dtype(np.float32): 84, np.dtype(np.float64): 532}
 _HIGH_EXP = 2 * _SHRINK_EXP[np.dtype(np.float32)]  # Measured.high's unit
 
@@ -169,8 +166,7 @@ def _in_high_units(low: jax.Array, high: Any, dtype: Any) -> jax.Array:
     if high is None:
         return scaled
     if np.dtype(dtype) == np.dtype(np.float64):
-        # Its plain sum overflows only past 2**1024, far past float32 units:
-        # inf there, unless a value was not finite (nan).
+        # Its plain sum overflows only past 2**1024, far past float32 units.
         return jnp.where(
             jnp.isfinite(low),
             scaled,

@@ -1,8 +1,4 @@
-"""`LossScaleState`: the whole dynamic part of loss scaling, as arrays.
-
-Every rule uses this one state type, so switching scalers never changes a
-checkpoint's structure or retraces a step.
-"""
+"""`LossScaleState`: the whole dynamic part of loss scaling, for every rule."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """`train_step`: a loss function and a `loss_scaling` transformation, one call.
 
 Accumulation pre-multiplies each micro-batch by a power of two at or below
-``1 / k``, so the accumulator overflows only where the mean does
-(docs/howto/accumulation.md).
+``1 / k``, so the accumulator overflows only where the mean does.
 """
 
 from __future__ import annotations

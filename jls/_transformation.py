@@ -1,7 +1,4 @@
-"""`LossScaling`: the object that owns a loss-scaled step, and its optax pair.
-
-Every step is `jls._core.step` over its frozen `jls._config.Config`.
-"""
+"""`LossScaling`: the object that owns a loss-scaled step, and its optax pair."""
 
 from __future__ import annotations
 

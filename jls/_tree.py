@@ -1,8 +1,4 @@
-"""Finding jls's states inside any optax state, and splitting a model.
-
-Lookups are ``optax.tree.get_all_with_path`` by type name; a model (an
-equinox ``Module``) is split into its floating arrays and `merge`-d back.
-"""
+"""Finding jls's states inside any optax state, and splitting a model."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Validation of configuration values, written once for every factory.
-
-Each validator takes the argument's name and value and returns a plain Python
-number or bool, or raises ``TypeError``/``ValueError`` naming both.
-"""
+"""Validators: a plain Python number or bool, or an error naming the argument."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Which entries of a leaf `jls.hooks.Stagnation` reads at each step of its cycle.
 
 Step ``k`` reads the entries whose index along the leaf's cut axis
-(`cut_axis`) is ``k`` modulo ``every``; a leaf with none is read whole, under
-a mask on its last axis. A sharded leaf is read where it lies.
+(`cut_axis`) is ``k`` modulo ``every``; a leaf with none, under a mask.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ from jls._tree import loss_scale_state, plain
 from jls._validate import integer
 from jls.hooks._hooks import Hook, StepInfo, hook_state
 
-# The default divergence limit: a run that skipped this many steps in a row
-# can only skip (DeepSpeed stops at its minimum scale, MindSpore after 1000).
+# The default divergence limit (MindSpore stops after 1000 skips in a row).
 DIVERGENCE_LIMIT = 1000
 
 

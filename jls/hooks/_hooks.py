@@ -1,7 +1,4 @@
-"""The seam: hooks the step consults, and the transformation's state.
-
-The step knows hooks only through `Hook`, so adding one never grows it.
-"""
+"""The seam: hooks the step consults (adding one never grows the step)."""
 
 from __future__ import annotations
 

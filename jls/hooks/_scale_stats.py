@@ -1,8 +1,4 @@
-"""What the scale does to the gradients: underflow and headroom, each step.
-
-Both statistics come from one variadic reduction per leaf; every replica
-reports the same (`jls._shards`).
-"""
+"""What the scale does to the gradients: underflow and headroom, each step."""
 
 from __future__ import annotations
 
@@ -42,8 +38,7 @@ def _largest_part(x: jax.Array) -> jax.Array:
 
 
 def _largest_and_count(x: Any, y: Any) -> tuple[Any, Any]:
-    # One function for every call: lax.reduce caches its computation by it
-    # (a new function per call compiled the reduction anew on every eager step).
+    # One function for every call: lax.reduce caches its computation by it.
     return jnp.maximum(x[0], y[0]), x[1] + y[1]
 
 

@@ -1,8 +1,7 @@
 """Stagnation: the updates the parameters' own dtype rounds away.
 
 An entry is stuck when ``new + u`` rounds back to ``new`` in its dtype, as
-``optax.apply_updates`` rounds; the old parameter is not read (reading it
-beside its in-place update makes XLA copy it).
+``optax.apply_updates`` rounds (the old parameter is not read).
 """
 
 from __future__ import annotations

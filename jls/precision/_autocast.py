@@ -1,8 +1,7 @@
 """`autocast`: matmuls in half precision, the ops that need range in float32.
 
-It casts per op, as torch's ``autocast`` does: it traces the function once
-and runs the program again by `jls.precision._cast_eval`'s rules. A flax nnx
-Module argument's state after the call is written back (``nnx.update``).
+Per op, as torch's ``autocast``: the function is traced once and its program
+run again by `jls.precision._cast_eval`'s rules.
 """
 
 from __future__ import annotations
@@ -85,8 +84,7 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
 def _autocast_call(fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
     traced = trace(fn, args, kwargs)
     outs = evaluate(traced.closed, traced.arrays, dtype)
-    # Each result in the dtype fn returns it in (a constant result comes back
-    # from the program as a Python scalar).
+    # Each result in the dtype fn returns it in (a constant, too).
     return traced.rebuild(
         x
         if isinstance(x, jax.Array) and x.dtype == v.aval.dtype

@@ -40,11 +40,9 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    # The narrowest floating width (bytes) each value was computed from: its
-    # own, traced or held, and its operands'.
+    # The narrowest floating width (bytes) each value was computed from.
     narrowest = {v: _width(v, x) for v, x in env.items()}
-    # Drop each value after its last use (an eager call holds no more than
-    # jax's own evaluation would).
+    # Drop each value after its last use, as jax's own evaluation does.
     last = {
         v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if not is_literal(v)
     }
@@ -126,8 +124,7 @@ def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
     out = list(invals)
     for members in groups.values():
         now = [_dtype(out[i], eqn.invars[i].aval) for i in members]
-        # A literal is a scalar the program inlined (``h * 2.0``): weak, as
-        # jax types a Python scalar, whatever dtype the trace gave it.
+        # A literal is a scalar the program inlined (``h * 2.0``): weak.
         weak = [_is_weak(eqn.invars[i]) for i in members]
         strong = [d for d, w in zip(now, weak, strict=True) if not w]
         target = jnp.result_type(*(strong or now))

@@ -1,8 +1,4 @@
-"""The collectives of a compiled program, with the dtype each sends.
-
-XLA's partitioner inserts collectives no jaxpr holds; they are read from
-the compiled HLO text (``jax.stages.Compiled.as_text()``).
-"""
+"""The collectives of a compiled program (its HLO text), with the dtype each sends."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A mixed-precision casting policy, compatible with jmp's.
 
-`get_policy` parses ``jmp.get_policy``'s strings into a `Policy` with jmp's
-fields and methods. Casting touches floating arrays only; every other leaf
-passes through as the same object (``docs/howto/policy.md``).
+Casting touches floating arrays only; every other leaf passes through as the
+same object (``docs/howto/policy.md``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`precision_report`: which dtype each matmul of a function really runs in.
 
 Arrays a model makes itself or closes over silently promote a cast
-computation back to float32; the report counts what really runs, with the
-source line of each op.
+computation back to float32; the report counts what really runs.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from jls.precision._collectives import compiled_collectives
 from jls.precision._interpret import is_literal, trace
 from jls.precision._primitives import COLLECTIVES, FLOAT32, MATMULS
 
-# Low-precision numerics worth knowing about (information, not errors): the
-# ops autocast would compute in float32, found in float16 or bfloat16.
+# Ops autocast would compute in float32, noted when found in float16 or bfloat16.
 _NOTED = FLOAT32
 _LOW = frozenset({"float16", "bfloat16"})
 # Frames inside these packages are not where a user's layer is written.
@@ -242,8 +240,7 @@ def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
         softmax = name == "exp" and _after_reduce_max(eqn, producers)
         live = id(eqn) in alive
         if name in MATMULS:
-            # The operands' common dtype: jnp feeds dot_general a float16 and
-            # a float32 operand as they are, and it computes in float32.
+            # The operands' common dtype (a float16 and a float32: float32).
             operands = [v.aval.dtype for v in eqn.invars[:2]]
             dtype = np.dtype(jnp.promote_types(*operands)).name
             found.ops.append(Op(name, dtype, _where(eqn)))

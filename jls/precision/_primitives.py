@@ -7,14 +7,10 @@ absent from the installed jax costs nothing.
 
 from __future__ import annotations
 
-# The matmuls autocast computes in the compute dtype: their first two
-# operands are cast, and their output follows (torch autocast's float16 list:
-# matmul, linear, einsum, bmm, conv*).
+# The matmuls autocast computes in the compute dtype (torch autocast's list).
 CAST = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
-# Every matmul-like primitive, counted by `precision_report` by the dtype it
-# computes in: the cast ones, and the fused and block-scaled ones (cuDNN
-# attention, scaled matmuls) autocast leaves in the dtype they are called in.
+# Every matmul-like primitive `precision_report` counts, fused and scaled too.
 MATMULS = CAST | frozenset(
     {
         "scaled_dot",
@@ -60,9 +56,7 @@ FLOAT32 = frozenset(
     }
 )
 
-# Primitives that move data between devices (shard_map, pmap): the report
-# lists each with the dtype it sends. jit's own collectives, which XLA adds
-# from shardings, are not in the traced program.
+# Primitives that move data between devices (shard_map, pmap).
 COLLECTIVES = frozenset(
     {
         "psum",
