@@ -2,9 +2,7 @@
 
 Wrap any optax optimizer with `loss_scaling`, multiply the loss by the
 current scale with `scale_loss`, and jls unscales, checks, skips and adjusts
-inside ``jit``. Optional features are in `jls.hooks`, precision in
-`jls.precision`, other frameworks' rules in `jls.presets`; docs/design.md
-says why each public name exists.
+inside ``jit``; docs/design.md says why each public name exists.
 """
 
 import importlib as _importlib
@@ -55,9 +53,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # ``jls.flax`` needs flax, so ``import jls`` does not import it; reaching
-    # for it without ``import jls.flax`` imports it here (or says what to
-    # install), instead of an AttributeError that names nothing.
+    # ``jls.flax`` needs flax: imported when reached (or saying what to install).
     if name == "flax":
         try:
             return _importlib.import_module("jls.flax")
@@ -73,28 +69,17 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'jls' has no attribute {name!r}")
 
 
-# Names the top level no longer has, with the namespace that holds them, so
-# that the error of old code names the fix.
+# Names the top level no longer has, with the namespace that holds them.
 _MOVED = {
-    **dict.fromkeys(
-        (
-            "Hook",
-            "SpikeRule",
-            "ScaleStats",
-            "DivergenceError",
-            "raise_if_diverged",
-            "nonfinite_paths",
-        ),
-        "hooks",
-    ),
-    **dict.fromkeys(
-        (
-            "Policy",
-            "get_policy",
-            "precision_report",
-            "compensated",
-            "stochastic_rounding",
-        ),
-        "precision",
-    ),
+    "Hook": "hooks",
+    "SpikeRule": "hooks",
+    "ScaleStats": "hooks",
+    "DivergenceError": "hooks",
+    "raise_if_diverged": "hooks",
+    "nonfinite_paths": "hooks",
+    "Policy": "precision",
+    "get_policy": "precision",
+    "precision_report": "precision",
+    "compensated": "precision",
+    "stochastic_rounding": "precision",
 }

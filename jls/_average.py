@@ -1,13 +1,7 @@
 """Data-parallel averaging that gives the single-device step on every mesh.
 
-Under ``shard_map(check_vma=True)`` jax already sums the gradient of a
-parameter invariant over an axis, so `local` marks such parameters varying
-and `mean` averages once (in float32 at least), dividing the summed ones by
-the axis size. Where jax sums a float16 gradient so (an FSDP ``all_gather``
-transposes to a float16 ``psum_scatter``), the loss is scaled by `share`,
-``2**-k`` for ``2**k`` >= the replicas, and `mean` multiplies it back,
-exactly: the sum overflows only where one replica's own gradient would.
-docs/parallelism.md has the table of meshes.
+`mean` averages once, in float32 at least; where jax sums a float16 gradient
+itself, the loss is scaled by `share` and `mean` multiplies it back, exactly.
 """
 
 from __future__ import annotations
@@ -24,11 +18,7 @@ from jls._scaling import compute_dtype
 
 
 def local(trainable: Any, axes: tuple[str, ...]) -> tuple[Any, Any]:
-    """``trainable`` marked varying over ``axes``, and the axes each was already.
-
-    Returns ``(local_params, summed)``: per leaf, the axes its gradient comes
-    back summed over.
-    """
+    """``(trainable marked varying over axes, per leaf the axes it was already)``."""
     if not axes or not tracked_in(trainable, axes):
         return trainable, jax.tree.map(lambda x: (), trainable)
     summed = jax.tree.map(
@@ -85,13 +75,7 @@ def mean(
 
 
 def warn_partitioned(trainable: Any, batch: Any) -> None:
-    """Warns where XLA's partitioner will sum float16 gradients across devices.
-
-    It does where the batch is split over a mesh axis (each device's part of
-    a weight gradient is summed over it; a tensor-parallel weight's is not).
-    Told only where the traced values carry their shardings (arrays placed on
-    a mesh of ``AxisType.Explicit`` axes), not on one of ``Auto`` axes.
-    """
+    """Warns where XLA's partitioner will sum float16 gradients across devices."""
     if any(x.dtype == jnp.float16 for x in jax.tree.leaves(trainable)) and any(
         map(_partitioned, jax.tree.leaves(batch))
     ):

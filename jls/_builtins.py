@@ -1,8 +1,4 @@
-"""The hooks `jls.loss_scaling`'s feature keywords stand for.
-
-`hooks_from_options` alone turns them into hooks; `keywords_refused` is
-`jls.LossScaling`'s error for them, naming the hooks they stand for.
-"""
+"""The hooks `jls.loss_scaling`'s feature keywords stand for."""
 
 from __future__ import annotations
 
@@ -89,11 +85,7 @@ def hooks_from_options(
 
 
 def keywords_refused(options: Mapping[str, Any]) -> TypeError:
-    """`jls.LossScaling`'s error for keywords it does not take, naming the fix.
-
-    A feature keyword gets the hooks `jls.loss_scaling` would make (defaults
-    included); any other keyword Python's own message.
-    """
+    """`jls.LossScaling`'s error for keywords it does not take, naming the fix."""
     unknown = [name for name in options if name not in FEATURES]
     if unknown:
         return TypeError(

@@ -1,8 +1,4 @@
-"""`upgrade_state`: checkpoints of an older jls, whose states had fewer fields.
-
-It maps the checkpoint onto the target's structure and fills only jls's own
-missing fields from the target; any other mismatch is an error naming the path.
-"""
+"""`upgrade_state`: checkpoints of an older jls, whose states had fewer fields."""
 
 from __future__ import annotations
 
@@ -19,9 +15,7 @@ from jls.hooks._spikes import SpikeState
 
 _MISSING = object()
 
-# jls 0.4 gave every built-in hook a state type that knows its metrics: a
-# hook state that was a bare value (or a dict) in 0.3 is now a NamedTuple's
-# field(s). Per hook, each new field's path inside the 0.3 state.
+# Per hook, each field's path inside its 0.3 state (a bare value or a dict).
 _HOOK_FIELDS_0_3 = {
     "gradient_norm": {"norm": ()},
     "divergence": {"diverged": ()},
@@ -31,8 +25,7 @@ _HOOK_FIELDS_0_3 = {
 }
 
 
-# jls 0.1 and 0.2 kept each feature's state in a state field of its
-# own; jls 0.3 keeps them in ``hooks``, by the hook's name.
+# jls 0.1 and 0.2 kept each hook's state in a state field of its own.
 _OLD_FIELDS = {
     "diagnostics": "nonfinite_leaves",
     "divergence": "diverged",
@@ -93,11 +86,9 @@ def _leaf_paths(tree: Any) -> set[str]:
 def upgrade_state(restored: Any, target: Any) -> Any:
     """``restored`` in ``target``'s structure, with jls's newer fields filled.
 
-    Restore the checkpoint without a target (orbax's
-    ``StandardCheckpointer().restore(path)``), then pass that raw tree and
-    the structure you saved. Each leaf of ``target`` is taken from
-    ``restored`` by its key path; a jls field the checkpoint lacks
-    (``headroom``, say) keeps ``target``'s value.
+    Each leaf of ``target`` is taken from ``restored`` (orbax's
+    ``StandardCheckpointer().restore(path)``) by its key path; a jls field the
+    checkpoint lacks (``headroom``, say) keeps ``target``'s value.
 
     Args:
       restored: the checkpoint's tree, as restored without a target.
@@ -180,14 +171,7 @@ def _pick(restored: Any, owned, used: set[str], path: tuple, default: Any) -> An
 
 
 def _dtype(saved: Any, default: Any) -> Any:
-    """The restored leaf's dtype: the saved one where casting would change bits.
-
-    A float the optimizer widened or narrowed after ``init`` (optax's
-    ``inject_hyperparams`` keeps a float16 parameter's moment in float32) is
-    resumed as saved, so the next step is the one the run would have taken;
-    anything else (Python numbers, float64 of a run under x64) takes the
-    target's dtype.
-    """
+    """The restored leaf's dtype: the saved one where casting would change bits."""
     dtype = getattr(saved, "dtype", None)
     if dtype is None or dtype == default.dtype:
         return default.dtype

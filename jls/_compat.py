@@ -1,9 +1,7 @@
 """Where jax's API moved between the floor (0.8.0) and the newest release.
 
-The one module that knows jax versions, tested on both: the ``shard_map``
-axes a value varies over (``vma`` or ``manual_axis_type.varying``), marking
-it varying (``lax.pvary`` or ``lax.pcast``), and whether jax records
-varying axes at all (probed: no public flag says so).
+The one module that knows jax versions: the ``shard_map`` axes a value varies
+over, marking it varying, and whether jax records varying axes at all.
 """
 
 from __future__ import annotations
@@ -40,11 +38,7 @@ def pvary(x: Any, axes: Any) -> Any:
 
 
 def tracks_varying_axes(axes: tuple[str, ...]) -> bool:
-    """Whether jax records which of the bound ``axes`` values vary over.
-
-    True inside ``shard_map(..., check_vma=True)``; False under
-    ``check_vma=False``, ``pmap``, a named ``vmap`` and without ``axes``.
-    """
+    """Whether jax records which of the bound ``axes`` values vary over."""
     if not axes:
         return False
     try:

@@ -1,8 +1,7 @@
 """Compositions that hide jls from its caller: refused at trace time, by path.
 
-`jls.loss_scaling` must see every gradient first; a transformation whose
-state holds jls's runs around it and quietly trains wrongly. `check_path`
-judges the path to jls's state (docs/howto/composing.md lists each case).
+A transformation whose state holds jls's runs around it and quietly trains
+wrongly (docs/howto/composing.md lists each case).
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ _REFUSED = {
     ),
 }
 _REFUSED["MultiTransformState"] = _REFUSED["PartitionState"]
-# Wrappers that hand every gradient to jls unchanged and step nothing else,
-# unless a schedule steps (its state then advances on the steps jls skips).
+# Wrappers that hand every gradient to jls unchanged and step nothing else.
 _SAFE = {"InjectHyperparamsState", "InjectStatefulHyperparamsState"}
 _SCHEDULED = (
     "opt_state is the state of optax.inject_hyperparams(<a factory of "

@@ -1,11 +1,7 @@
 """The skip: each new leaf selected against its old one, bitwise.
 
-The step runs the inner update unconditionally, then keeps each result with
-`select_tree`: one ``lax.select`` per leaf, jmp's and flax's form, never a
-``0 * x`` mask (nan for an inf ``x``). Floats narrower than float32 are
-selected as their bits, and weak types are kept, so the step traces once.
-Skipped updates are ``-0.0`` (`zeros_like`). ``docs/performance.md`` compares
-the other forms ``benchmarks/bench_skip_modes.py`` measures.
+One ``lax.select`` per leaf, never a ``0 * x`` mask (nan for an inf ``x``);
+skipped updates are ``-0.0`` (`zeros_like`).
 """
 
 from __future__ import annotations
@@ -28,11 +24,7 @@ def zero(dtype: Any) -> Any:
 
 
 def zeros_like(shapes: Any, *likes: Any) -> Any:
-    """Zero updates of ``shapes`` (the updates, or their types), laid out as they are.
-
-    From a type, each zero is built like the leaf of ``likes`` (the
-    gradients, the parameters) with its shape, sharding and varying axes.
-    """
+    """Zero updates of ``shapes`` (or their types, laid out as ``likes``' leaves)."""
     leaves, treedef = jax.tree.flatten(shapes)
     candidates = [
         jax.tree.leaves(like) for like in likes if jax.tree.structure(like) == treedef
@@ -60,14 +52,9 @@ def zeros_like(shapes: Any, *likes: Any) -> Any:
 def select_tree(apply: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``apply`` (a scalar bool), else ``old``: every leaf, bitwise.
 
-    The step, `jls.keep_if_skipped` and ``jls.flax`` all skip through it.
-    ``None`` leaves stay ``None``; a leaf of ``new`` that is no array (a
-    function) is returned as it is, and so is a Python number equal to the
-    old one (an optimizer's static setting, used as a shape, stays a number).
-    Outside ``jit`` a changed Python number is kept or replaced as a Python
-    number; traced, it becomes the weakly typed array ``jit`` returns for it.
-    A leaf the step widens (float16 to float32) keeps its value in the new
-    dtype: one type for both outcomes, as ``jit`` requires.
+    ``None`` leaves stay ``None``; a leaf of ``new`` that is no array, or a
+    Python number equal to the old one, is returned as it is. A leaf the step
+    widens keeps its value in the new dtype (one type for both outcomes).
 
     Raises:
       TypeError: at trace time, for a leaf whose new dtype cannot hold every
@@ -131,12 +118,7 @@ def _is_array(x: Any) -> bool:
 
 
 def select(apply: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``apply`` (a scalar), else ``old``, bitwise.
-
-    ``new``'s dtype and sharding, weakly typed where ``old`` is. Narrow
-    floats are selected as bits: XLA:CPU would widen them to float32 and
-    canonicalise a nan's payload.
-    """
+    """``new`` where ``apply``, else ``old``, bitwise (narrow floats as bits)."""
     new = jnp.asarray(new)
     old = jnp.asarray(old)
     weak = bool(jax.typeof(old).weak_type and old.dtype == new.dtype)
@@ -160,10 +142,7 @@ def select(apply: jax.Array, new: Any, old: Any) -> Any:
 
 
 def _weakly_typed(x: jax.Array, weak: jax.Array) -> jax.Array:
-    """``x``, weakly typed like ``weak``, by a ``lax.cond`` of constant predicate.
-
-    Public jax has no cast to a weak type; XLA folds the cond away.
-    """
+    """``x``, weakly typed like ``weak``, by a ``lax.cond`` XLA folds away."""
     return lax.cond(True, lambda: x, lambda: weak)
 
 

@@ -1,9 +1,4 @@
-"""A loss-scaled step's configuration: validated once, frozen, closed over.
-
-`make_config` checks every argument of `jls.LossScaling` when the
-transformation is made; the step's pure functions (`jls._core`) read
-nothing else.
-"""
+"""A loss-scaled step's configuration: validated once, frozen, closed over."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """The step: a few pure functions over a frozen configuration.
 
-One loss-scaled step for every entry point (``tx.update``,
-`jls.apply_gradients`, `jls.train_step`, ``jls.flax``): `validate` and
-`prepare` check the state and the composition and take out the loss the
-hooks read; `jls._decision.decide` reads the scaled gradients once to decide
-whether they are finite; `finish` runs the hooks' vetoes and the inner update
-unconditionally, then keeps or drops each result (parameters or updates,
-every leaf of the inner state) by one select per leaf
-(`jls._cond.select_tree`), and records the scale rule and the hooks. `step`
-chains them; `jls.train_step` calls them itself. Public jax only.
+One loss-scaled step for every entry point: `validate`, `prepare`,
+`jls._decision.decide` and `finish`; `step` chains them (docs/design.md).
 """
 
 from __future__ import annotations
@@ -132,11 +125,7 @@ def finish(
     fused: bool,
     retries: jax.Array | None = None,
 ) -> tuple[Any, LossScalingState]:
-    """The step after its decision: vetoes, the skip, the scale rule, the records.
-
-    A skipped step returns every leaf bitwise as it was, and ``-0.0``
-    updates. ``retries``: the attempts `jls.train_step` made.
-    """
+    """The step after its decision: vetoes, the skip, the scale rule, the records."""
     state, loss, args = prepared
     if config.off:
         return off_step(config.inner, grads, state, params, args, fused, loss)

@@ -1,10 +1,4 @@
-"""The decision: the check, the replicas' agreement and the hooks' vetoes.
-
-Pure functions of a step's `jls._config.Config`: whether a step is applied,
-apart from what applies it (`jls._core`). Every replica agrees (``pmin`` or
-``pmax`` over ``axis_name`` and each ``shard_map`` axis a value varies
-over) before a user's hook sees a value.
-"""
+"""The decision: the check, the replicas' agreement and the hooks' vetoes."""
 
 from __future__ import annotations
 
@@ -43,11 +37,7 @@ class Decision(NamedTuple):
 def decide(
     config: Config, grads: Any, loss_scale: LossScaleState, *, also_finite: Any = None
 ) -> Decision:
-    """The step's decision and measurements, agreed across replicas.
-
-    ``apply`` is ``finite``, or with ``skip_nonfinite=False`` any step whose
-    scale is in range. Every scaler's agreement is one scalar all-reduce.
-    """
+    """The step's decision and measurements, agreed in one scalar all-reduce."""
     _check_gradient_dtypes(grads)
     hint_bfloat16(config, grads)
     scale = loss_scale.scale
@@ -77,11 +67,7 @@ def decide(
 def vetoes(
     config: Config, hook_states: dict[str, Any], info: StepInfo, apply: jax.Array
 ) -> tuple[dict[str, jax.Array], jax.Array | None]:
-    """Each vetoing hook's agreed veto, and whether one holds the scale.
-
-    A veto counts only on a step that would have been applied; a holding one
-    holds the rule on any step.
-    """
+    """Each vetoing hook's agreed veto, and whether one holds the scale."""
     names, flags = [], []
     for h in config.hooks:
         veto = h.veto(hook_states[h.name], info)
@@ -98,8 +84,6 @@ def vetoes(
         return {}, None
     agreed = dict(zip(names, agree(config, flags, lax.pmax), strict=True))
     vetoed = {n: apply & v for n, v in agreed.items()}
-    # A holding veto holds the rule whether or not the step would have
-    # been applied (a nan loss usually brings nan gradients with it).
     holding = [
         agreed[h.name] for h in config.hooks if h.holds_scale and h.name in agreed
     ]
@@ -112,11 +96,7 @@ def vetoes(
 
 
 def gradient_factor(config: Config, hook_states: dict[str, Any], info: StepInfo) -> Any:
-    """The product of the hooks' `Hook.gradient_factor` values, or ``None``.
-
-    A factor that is not finite or not in ``[0, 1]`` reads as 1. The replicas
-    take the smallest.
-    """
+    """The product of the hooks' factors (others read as 1), or ``None``."""
     factor = None
     for h in config.hooks:
         f = h.gradient_factor(hook_states[h.name], info)
@@ -173,11 +153,7 @@ def loss_for_hooks(
 
 
 def agree(config: Config, flags: list[jax.Array], reduce: Any) -> list[jax.Array]:
-    """Bool ``flags`` reduced by ``reduce`` (``lax.pmin`` or ``pmax``), one collective.
-
-    Over ``axis_name`` and every ``shard_map`` axis the flags vary over (such
-    as an axis sharding model-parallel gradients).
-    """
+    """Bool ``flags`` reduced by ``lax.pmin`` or ``pmax``, in one collective."""
     out = []
     for group in _by_shape(flags):
         stacked = jnp.stack([f.astype(jnp.int32) for f in group])
@@ -190,11 +166,7 @@ def agree(config: Config, flags: list[jax.Array], reduce: Any) -> list[jax.Array
 def same_on_replicas(
     config: Config, values: list[jax.Array], axes: tuple[str, ...] | None = None
 ) -> jax.Array:
-    """Whether float32 scalar ``values`` are bitwise equal on every replica.
-
-    Over ``axes`` (default ``axis_name``), in one collective: the maximum of
-    the bits and of their complement.
-    """
+    """Whether float32 scalar ``values`` are bitwise equal over ``axes``."""
     axes = config.axis_name if axes is None else axes
     if not axes:
         return jnp.asarray(True)
@@ -235,10 +207,7 @@ def _by_shape(flags: list[jax.Array]) -> list[list[jax.Array]]:
 
 
 def _check_gradient_dtypes(grads: Any) -> None:
-    """Refuses, at trace time, gradient dtypes that cannot hold a zero update.
-
-    ``float8_e8m0fnu`` has no zero: any update would be nan.
-    """
+    """Refuses, at trace time, gradient dtypes with no zero (``float8_e8m0fnu``)."""
     for leaf in jax.tree.leaves(grads):
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and np.dtype(dtype).name == "float8_e8m0fnu":

@@ -1,29 +1,8 @@
 """The dynamic rule: grow while finite, back off on overflow.
 
-In pseudo-code (Micikevicius et al., 2018)::
-
-    if grads_finite:
-        growth_count += 1
-        if growth_count == growth_interval:
-            growth_count = 0
-            if scale * growth_factor <= max_scale:
-                scale = scale * growth_factor
-            backoff_count = 0                     # hysteresis restored
-        if backoff_interval > 1 or consecutive_hysteresis:
-            backoff_count = 0
-    else:
-        growth_count = 0
-        backoff_count += 1
-        if backoff_count >= max(backoff_interval, hysteresis):
-            scale = max(scale * backoff_factor, min_scale)
-            if backoff_interval > 1: backoff_count = 0
-            # with hysteresis every further non-finite step backs off
-
-A static scaler is this rule with both factors 1, and the presets are
-configuration of it, never separate code paths.
-
-References:
-  Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+Micikevicius et al., "Mixed Precision Training", ICLR 2018, with the peers'
+variants (docs/scalers.md). A static scaler is this rule with both factors 1,
+and the presets are configuration of it, never separate code paths.
 """
 
 from __future__ import annotations
@@ -50,10 +29,7 @@ def own(field: str) -> str:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DynamicScale(LossScaler):
-    """The dynamic rule's configuration; see `dynamic_scale` for each field.
-
-    Fields that `dynamic_scale` defaults with ``None`` are stored resolved.
-    """
+    """The dynamic rule's configuration, resolved; see `dynamic_scale`."""
 
     init_scale: float = 2.0**15
     growth_factor: float = 2.0
@@ -109,10 +85,7 @@ class DynamicScale(LossScaler):
         del dropped, magnitude, retries  # the dynamic rule reads neither
         f32, i32 = jnp.float32, jnp.int32
         scale = state.scale
-        # Growth: on the growth_interval-th consecutive finite step (counting
-        # from growth_restart after the start or a non-finite step), unless
-        # the grown scale would exceed max_scale: then it stays (or, with
-        # saturate_growth, lands on max_scale).
+        # Growth on the growth_interval-th finite step in a row, within max_scale.
         count = optax.safe_increment(state.growth_count)
         at_interval = finite & (count >= i32(self.growth_interval))
         grown = scale * f32(self.growth_factor)
@@ -158,20 +131,12 @@ class DynamicScale(LossScaler):
         f32 = jnp.float32
         if self.backoff_divisor is None:
             return scale * f32(self.backoff_factor)
-        # XLA rewrites a division by a constant into a multiplication by its
-        # rounded reciprocal (x / 3 -> x * 0.33333334), and an optimization
-        # barrier does not survive to that pass under vmap. A divisor that
-        # depends on the scale is no constant: `scale - scale` is 0 for every
-        # finite scale (XLA never folds x - x for floats, because of nan), and
-        # a non-finite scale is clamped afterwards.
+        # `scale - scale` (0, never folded) stops XLA's x / c -> x * (1 / c).
         return scale / (f32(self.backoff_divisor) + (scale - scale))
 
 
 def validated(fields: Mapping[str, Any], name: Namer) -> dict[str, Any]:
-    """The dynamic rule's fields, validated and resolved (``None``: the default).
-
-    Errors name each field ``name(field)``: its own, or a preset's framework's.
-    """
+    """The dynamic rule's fields validated and resolved; errors name ``name(field)``."""
     out = dict(fields)
     out["init_scale"] = positive_f32(name("init_scale"), fields["init_scale"])
     out["growth_factor"] = factor(
@@ -217,8 +182,6 @@ def _backoff_pair(fields: Mapping[str, Any], name: Namer) -> tuple[float, float 
             f"give {name('backoff_factor')} or {name('backoff_divisor')}, not "
             f"both; got {backoff!r} and {divisor!r}"
         )
-    # The factor the divisor implies must be a normal float32 too: named after
-    # the argument the user gave.
     return factor(f"1 / {name('backoff_divisor')}", 1 / divisor, below_one=True), (
         divisor
     )
@@ -256,8 +219,7 @@ def dynamic_scale(
       first_growth_interval: the first growth after the start or a non-finite
         step comes on this many finite steps (at least ``growth_interval``).
       init_growth_count: the growth count before the first step (to resume).
-      saturate_growth: a growth past ``max_scale`` lands on it instead of
-        being skipped.
+      saturate_growth: a growth past ``max_scale`` lands on it.
       backoff_divisor: back off by dividing by this (``>= 1``) instead of
         multiplying by ``backoff_factor``; not both.
       backoff_interval: back off once every this many consecutive non-finite
@@ -267,8 +229,7 @@ def dynamic_scale(
         with ``backoff_interval > 1``.
       consecutive_hysteresis: any finite step restores the hysteresis.
       min_scale: the floor of back-off (may be below 1).
-      max_scale: the ceiling of growth; above 2**126 unscaling takes two
-        factors.
+      max_scale: the ceiling of growth.
       skip_nonfinite: drop a step whose gradients are not finite (default).
 
     Returns:

@@ -23,8 +23,7 @@ from jls._scaling import compute_dtype, unscale_tree
 _NATIVE_CHECK_MAX_BITS = 16  # float16 and fp8: test in the leaf's own format
 SMALL_LEAF = 2**14  # leaves this small share one reduction
 SMALL_GROUP = 2**17  # elements the small leaves share a reduction over (a temporary)
-# XLA:CPU shared one constant's broadcast between same-size leaves and read it
-# as an array: such leaves get distinct shrinks 2**-(k + j).
+# Same-size leaves get distinct shrinks 2**-(k + j) (XLA:CPU shared constants).
 TWINS = 64  # distinct shrinks for leaves of one size: 2**-(31 + 8 + 63) is normal
 
 
@@ -62,11 +61,7 @@ def _checked_natively(dtype: Any) -> bool:
 
 
 def sharded_in_its_type(x: jax.Array) -> bool:
-    """Whether ``x`` may be sharded across devices (it must not be concatenated).
-
-    True where its type names mesh axes, and on a mesh of several devices with
-    automatic axes, where the partitioner may shard it.
-    """
+    """Whether ``x`` may be sharded across devices (it must not be concatenated)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
     if any(axis is not None for axis in (spec or ())):
@@ -84,15 +79,13 @@ def sharded_in_its_type(x: jax.Array) -> bool:
 def one_reduction_is_safe(x: jax.Array) -> bool:
     """Whether several reductions of ``x`` may be one variadic ``lax.reduce``.
 
-    Only with one device: the partitioner gathers the operands of a sharded
-    variadic reduction, and the type may not say that ``x`` is sharded.
+    Only with one device: the partitioner gathers a sharded one's operands.
     """
     return jax.device_count() == 1 and not sharded_in_its_type(x)
 
 
 def _add(a: Any, b: Any) -> tuple[Any, ...]:
-    # One function for every call: lax.reduce caches its computation by it
-    # (a new lambda per call compiled the reduction anew on every eager step).
+    # One function for every call: lax.reduce caches its computation by it.
     return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
@@ -184,10 +177,7 @@ def all_finite(tree: Any) -> jax.Array:
 
 @jax.jit
 def _all_finite_jit(tree: Any) -> jax.Array:
-    # Jitted so that an eager call is one dispatch, not one per leaf. Inside a
-    # caller's jit it is a nested call that XLA inlines; the train step calls
-    # it too: on XLA:CPU each large reduction then stays one kernel instead of
-    # two, and the step compiles faster.
+    # Jitted: an eager call is one dispatch; XLA inlines it in a caller's jit.
     return leaves_finite(inexact_leaves(tree))
 
 
@@ -197,11 +187,7 @@ def unscaled_finite(
     *,
     scale_may_be_below_one: bool,
 ) -> jax.Array:
-    """Whether ``unscale(grads)`` is all finite, reading the scaled gradients.
-
-    At a scale >= 1 unscaling cannot overflow, so the scaled gradients are
-    checked; below 1 the unscaled values, computed inside the check.
-    """
+    """Whether ``unscale(grads)`` is all finite, reading the scaled gradients."""
     leaves = inexact_leaves(grads)
     if not scale_may_be_below_one:
         return _all_finite_jit(leaves)

@@ -22,8 +22,7 @@ class Transformation(Protocol):
 def with_extra_args(inner: Transformation) -> optax.GradientTransformationExtraArgs:
     """``inner`` as an optax pair whose ``update`` takes extra arguments.
 
-    ``optax.with_extra_args_support`` drops them for an ``optax.MultiSteps``
-    object, whose ``update`` forwards them: its ``**kwargs`` keep them.
+    ``optax.with_extra_args_support`` would drop them for ``optax.MultiSteps``.
     """
     if isinstance(inner, optax.GradientTransformationExtraArgs):
         return inner

@@ -1,10 +1,4 @@
-"""State outside the optimizer, kept as it was on a skipped step.
-
-A forward pass that overflowed writes inf or nan into the state a model
-updates outside any optimizer (BatchNorm's running statistics, an EMA);
-`keep_if_skipped` keeps that state as the step keeps the parameters.
-(``jls.flax``'s classes do it for flax's batch statistics themselves.)
-"""
+"""State outside the optimizer (BatchNorm statistics), kept on a skipped step."""
 
 from __future__ import annotations
 
@@ -21,10 +15,8 @@ def keep_if_skipped(new: Any, old: Any, *opt_states: Any) -> Any:
     """``new`` if the step was applied, else ``old``: state outside the optimizer.
 
     Call it after the update on state the forward pass wrote (an equinox
-    ``eqx.nn.State``): on a skipped step it comes back bitwise as it was,
-    one ``lax.select`` per leaf, as the parameters do. With several
-    optimizers (a GAN), pass every state whose step wrote ``new``: any
-    skip keeps ``old``.
+    ``eqx.nn.State``). With several optimizers (a GAN), pass every state whose
+    step wrote ``new``: any skip keeps ``old``.
 
     Args:
       new: the state after the step's forward pass (a pytree of arrays).
@@ -32,8 +24,7 @@ def keep_if_skipped(new: Any, old: Any, *opt_states: Any) -> Any:
       *opt_states: the optimizer states the step returned, at least one.
 
     Returns:
-      ``new`` (in its dtypes) unless a step in ``opt_states`` was skipped,
-      else ``old``.
+      ``new`` unless a step in ``opt_states`` was skipped, else ``old``.
 
     Raises:
       TypeError: if no optimizer state is given, or ``new`` and ``old`` differ

@@ -1,9 +1,4 @@
-"""The transformation's entry points: `loss_scaling`, `apply_gradients`, `metrics`.
-
-`loss_scaling` returns ``LossScaling(...).gradient_transformation()``;
-`apply_gradients` is the same object's fused path, and `metrics` reads what a
-step left in the state (the scale and counters, and each hook's metrics).
-"""
+"""The transformation's entry points: `loss_scaling`, `apply_gradients`, `metrics`."""
 
 from __future__ import annotations
 
@@ -96,19 +91,15 @@ def loss_scaling(
     ``update`` takes the SCALED gradients (of ``jls.scale_loss(loss, state)``).
     When every unscaled gradient is finite it unscales them and runs
     ``inner``; otherwise it returns zero updates and leaves ``inner``'s state
-    bitwise unchanged (its step count and schedules do not advance). Either
-    way it adjusts the loss scale. Extra arguments go to ``inner``; one trace
-    serves every step. Put it outermost, around ``optax.MultiSteps`` too
-    (``docs/howto/accumulation.md``); `apply_gradients` is the faster fused step.
+    bitwise unchanged. Either way it adjusts the loss scale. Put it outermost
+    (``docs/howto/accumulation.md``).
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
       scaler: a `LossScaler`; default ``jls.dynamic_scale()``.
       axis_name: the ``pmap``/``shard_map`` axis (or axes) over which replicas
-        agree on the skip and the scale; it does not average the gradients.
-        Not needed under ``jit`` with sharded arrays (the check is global).
-        A dict says which gradients each axis shards (``{"b": False}``: none),
-        as statistics over shards need under ``pmap`` (docs/parallelism.md).
+        agree on the skip and the scale (not needed under ``jit``); a dict
+        says which gradients each axis shards (docs/parallelism.md).
       hooks: more `jls.hooks.Hook` objects, consulted after those the keywords
         below stand for (`LossScaling` takes the hooks only).
       diagnostics: add `jls.hooks.Diagnostics` (which leaves were not finite).
@@ -122,8 +113,7 @@ def loss_scaling(
       donated: deprecated and ignored (a DeprecationWarning).
 
     Returns:
-      ``LossScaling(...).gradient_transformation()``, an
-      ``optax.GradientTransformationExtraArgs``; its state is a
+      An ``optax.GradientTransformationExtraArgs``; its state is a
       `LossScalingState`.
 
     Raises:
@@ -169,10 +159,7 @@ def apply_gradients(
     """Applies one loss-scaled step to the parameters: the fused path.
 
     ``tx.update`` then ``optax.apply_updates``, with the same guarantees, but
-    the skip selects the new parameters against the old ones (a skipped step
-    returns ``params`` and the inner state bitwise) and XLA fuses each update
-    into its parameter: no updates tree in memory. Donate ``params`` and
-    ``opt_state`` to ``jit`` to update them in place.
+    XLA fuses each update into its parameter: no updates tree in memory.
 
     Args:
       tx: a transformation made by `loss_scaling` (not wrapped further), or
@@ -180,9 +167,7 @@ def apply_gradients(
       grads: the scaled gradients.
       opt_state: ``tx``'s state.
       params: any pytree, a whole model too (an equinox ``Module``): its
-        floating arrays with a gradient are stepped (initialise the
-        optimizer on them), every other leaf returned as it is, as
-        ``eqx.apply_updates`` does.
+        floating arrays with a gradient are stepped, other leaves returned.
       **extra_args: forwarded to the inner optimizer's ``update``;
         ``loss=`` goes to the hooks that read the loss.
 

@@ -1,9 +1,7 @@
 """The measured rule: the scale read off the gradients' range.
 
-The finite check is then a sum of squares (`jls._squares`), which also gives
-each reduction's root-mean-square. Overflows in activation gradients are
-invisible there, so a non-finite step still backs off and doubles the
-``headroom``. Scales and headroom are powers of two: unscaling is exact.
+The check is then a sum of squares (`jls._squares`), which gives the range.
+Scales and headroom are powers of two: unscaling is exact.
 """
 
 from __future__ import annotations
@@ -84,8 +82,6 @@ class MeasuredScale(LossScaler):
         set_(self, "skip_nonfinite", flag("skip_nonfinite", self.skip_nonfinite))
         for key, value in bounds(self.__dict__, lambda field: field).items():
             set_(self, key, value)
-        # Its scales are powers of two (exact unscaling): so must be every
-        # number that makes or moves one.
         for key in ("init_scale", "min_scale", "max_growth", "backoff_factor"):
             value = getattr(self, key)
             if not is_pow2(to_f32(value)):
@@ -127,17 +123,14 @@ class MeasuredScale(LossScaler):
         f32, i32 = jnp.float32, jnp.int32
         scale = state.scale
         backed = jnp.maximum(scale * f32(self.backoff_factor), f32(self.min_scale))
-        # A headroom from a checkpoint or a user's hand that is nan, inf or
-        # below 1 is read as 1; one that is not a power of two is rounded down.
+        # A headroom out of range reads as 1; others are rounded to a power of two.
         headroom = state.headroom
         headroom = jnp.where(
             (headroom >= 1) & (headroom <= f32(_HEADROOM_MAX)),
             _pow2_floor(headroom),
             f32(1),
         )
-        # The first overflow of a run of them (and of the step: retries of it
-        # do not add again) doubles the headroom; every `history` finite steps
-        # since halve it again, down to 1.
+        # A run's first overflow doubles it; every `history` finite steps halve it.
         first = ~finite & (state.consecutive_nonfinite == 0) & (retries == 0)
         count = optax.safe_increment(state.growth_count)
         relax = finite & (count >= i32(self.history))
@@ -161,9 +154,7 @@ class MeasuredScale(LossScaler):
                 f"magnitude must be a float32 scalar, got dtype {m.dtype} and "
                 f"shape {m.shape}"
             )
-        # The largest power of two that keeps the measured magnitude, at that
-        # scale, margin * headroom below compute_max (inf for all-zero
-        # gradients: the growth bound and the cap bound it).
+        # The largest power of two keeping the magnitude margin * headroom below.
         cap = f32(self.cap)
         limit = f32(self.compute_max / self.margin) / headroom
         wanted = scale * (limit / m)
@@ -173,8 +164,7 @@ class MeasuredScale(LossScaler):
             jnp.where(wanted > 0, cap, f32(0)),
         )
         grown = jnp.minimum(jnp.minimum(target, scale * f32(self.max_growth)), cap)
-        # A finite step that was not applied (a spike rule vetoed it) holds
-        # the scale: its gradients are an outlier, not the new range.
+        # A finite step a hook vetoed holds the scale (an outlier, not the range).
         hold = finite & dropped
         scale = jnp.where(finite, jnp.where(hold, scale, grown), backed)
         return scale, growth_count, state.backoff_count, headroom
@@ -199,11 +189,7 @@ def measured_scale(
 
     After a finite step the next scale is the largest power of two at which
     the scaled gradients' largest root-mean-square stays ``margin * headroom``
-    below ``dtype``'s maximum, growing at most ``max_growth`` times per step.
-    A non-finite step backs off by ``backoff_factor``, and the first overflow
-    of a run doubles the state's ``headroom``, which ``history`` finite steps
-    halve again (docs/scalers.md). A scale that is not a power of two is out
-    of range: its step is dropped.
+    below ``dtype``'s maximum; a non-finite step backs off (docs/scalers.md).
 
     Args:
       margin: the headroom, ``>= 1``, between the scaled gradients' largest

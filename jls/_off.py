@@ -1,12 +1,7 @@
 """The off switch: ``jls.no_scale(skip_nonfinite=False)`` is the plain optimizer.
 
 A scaler that never scales and never skips needs no check: the step is the
-inner optimizer's update, bitwise the plain step, compiled to the plain
-program plus two scalar selects; the state's other scalars pass through
-(``tests/test_off.py`` compares the compiled programs). The gradients are
-not unscaled: restore a scaled run's state with
-``jls.set_loss_scale(opt_state, 1.0)``. Any hook but the defaults takes the
-usual path.
+inner optimizer's update, bitwise, plus two scalar selects.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`LossScaler`: what every loss-scale rule is, and what they all share.
 
-A rule is a frozen, validated dataclass closed over by the step, never state.
-Each rule (`jls._dynamic`, `jls._measured`) writes only ``_next``; this base
-class does the input checks, the range and the saturating skip counters.
+A rule is a frozen, validated dataclass closed over by the step. Each rule
+writes only ``_next``; this base class does the checks, range and counters.
 """
 
 from __future__ import annotations
@@ -17,12 +16,9 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from jls._scaling import SINGLE_FACTOR_MAX
 from jls._state import LossScaleState, check_state, make_state, overwritten
 from jls._validate import positive_f32, scale_in, to_f32
-
-# The largest power of two whose float32 reciprocal is normal: up to this
-# scale one multiplication by ``1 / scale`` unscales exactly on every backend.
-SINGLE_FACTOR_MAX = 2.0**126
 
 
 def bool_scalar(name: str, value: ArrayLike) -> jax.Array:
@@ -65,8 +61,7 @@ class LossScaler:
     max_scale: float
     skip_nonfinite: bool
 
-    #: Whether the rule follows the gradients' measured range (the check is
-    #: then the squares check, which measures it).
+    #: Whether the rule follows the gradients' measured range.
     measures = False
 
     @property
@@ -127,12 +122,11 @@ class LossScaler:
 
         Args:
           state: the current `LossScaleState`.
-          grads_finite: a scalar bool, whether this step's gradients were all
-            finite.
-          applied: a scalar bool, whether the step's update was applied (the
-            skip counters); by default, from ``grads_finite``.
-          magnitude: a float32 scalar, the largest root-mean-square of the
-            step's scaled gradients, which the measured rule follows.
+          grads_finite: a scalar bool, whether the gradients were all finite.
+          applied: a scalar bool, whether the update was applied (default:
+            from ``grads_finite``).
+          magnitude: a float32 scalar, the scaled gradients' largest
+            root-mean-square (the measured rule follows it).
           retries: how many times this step's gradients were recomputed (`retry`).
 
         Returns:
@@ -157,8 +151,7 @@ class LossScaler:
         valid = self.in_range(state.scale)
         finite = bool_scalar("grads_finite", grads_finite) & valid
         if applied is None:
-            # Dropped when the gradients are not finite (unless the rule
-            # applies such steps), and always when the scale was invalid.
+            # Dropped when not finite (unless the rule applies such steps).
             dropped = ~finite if self.skip_nonfinite else ~valid
         else:
             dropped = ~bool_scalar("applied", applied)

@@ -1,8 +1,4 @@
-"""Scaling the loss and unscaling the gradients.
-
-`scale_loss` also tags the scales it hands out, per trace, so that an update
-can warn when two jls optimizers' states were swapped (`check_scaled_with`).
-"""
+"""Scaling the loss and unscaling the gradients (and warning of swapped states)."""
 
 from __future__ import annotations
 
@@ -21,29 +17,23 @@ from jls._tree import loss_scale_state
 
 
 def compute_dtype(dtype: Any) -> Any:
-    """The dtype to compute in: float32 for narrower floats, else the dtype itself.
-
-    Not ``jnp.promote_types(dtype, float32)``: JAX defines no promotion for the
-    fp8 and fp4 types.
-    """
+    """float32 for narrower floats (fp8 and fp4 too), else the dtype itself."""
     dtype = np.dtype(dtype)
     return dtype if dtype.itemsize >= 4 else np.dtype(np.float32)
 
 
 _SPLIT = 2.0**64
-# The largest power of two whose float32 reciprocal is normal: up to this
-# scale one multiplication by ``1 / scale`` unscales exactly on every backend.
+# The largest power of two whose float32 reciprocal is normal (one factor).
 SINGLE_FACTOR_MAX = 2.0**126
 
 
 def _reciprocal(
     scale: jax.Array, dtype: Any, two_factor: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``1 / scale`` as one factor, or two normal factors ``(a, b)``.
+    """``1 / scale`` as one factor, or (``two_factor``, above 2**64) two normal ones.
 
-    XLA flushes subnormals, so the float32 reciprocal of a scale above 2**126
-    is 0. With ``two_factor``, above 2**64 it is ``(2**64 / scale, 2**-64)``:
-    the power-of-two second factor makes ``(x * a) * b`` round once.
+    ``(2**64 / scale, 2**-64)``: XLA flushes the subnormal reciprocal of a
+    scale above 2**126, and a power-of-two second factor rounds once.
     """
     scale = scale.astype(dtype)
     one = jnp.ones((), dtype)
@@ -61,8 +51,7 @@ Factors = dict[Any, tuple[jax.Array, jax.Array | None]]
 def reciprocals(scale: jax.Array, tree: Any, *, two_factor: bool = True) -> Factors:
     """The factors of ``1 / scale`` for every compute dtype of ``tree``'s leaves.
 
-    Computed once per step and shared by every leaf. ``two_factor=False``
-    promises ``scale <= SINGLE_FACTOR_MAX``.
+    ``two_factor=False`` promises ``scale <= SINGLE_FACTOR_MAX``.
     """
     factors = {}
     for leaf in jax.tree.leaves(tree):
@@ -79,9 +68,8 @@ def reciprocals(scale: jax.Array, tree: Any, *, two_factor: bool = True) -> Fact
 def unscale_leaf(leaf: Any, factors: Factors, shrink: Any = None) -> Any:
     """``leaf * (1 / scale)`` computed in at least float32, in ``leaf``'s dtype.
 
-    ``factors`` comes from `reciprocals` (empty: the scale is 1). ``shrink``
-    (a clipped spike's ``limit / norm``) multiplies the last factor, so a
-    shrink of 1 changes no bit. Non-floating leaves pass through.
+    ``factors`` from `reciprocals` (empty: the scale is 1); ``shrink`` (a
+    clipped spike's) multiplies the last one. Non-floating leaves pass through.
     """
     if leaf is None:
         return leaf
@@ -101,9 +89,7 @@ def unscale_leaf(leaf: Any, factors: Factors, shrink: Any = None) -> Any:
         return (wide * shrink.astype(wide_dtype)).astype(dtype)
     a, b = factors[wide_dtype]
     if shrink is not None:
-        # Into the last (scalar) factor: the per-element arithmetic is the
-        # same as without a shrink, so a shrink of 1 changes no bit even where
-        # the compiler contracts the update into FMAs.
+        # Into the last scalar factor: a shrink of 1 changes no bit, FMA or not.
         if b is None:
             a = a * shrink.astype(a.dtype)
         else:
@@ -118,8 +104,7 @@ def unscale_tree(tree: Any, scale: jax.Array, *, two_factor: bool = True) -> Any
     return jax.tree.map(lambda x: unscale_leaf(x, factors), tree)
 
 
-# Per trace (a jit, vmap or shard_map being traced), weak references to the
-# scales `scale_loss` handed out in it: a trace and its tracers die with it.
+# Per trace, weak references to the scales `scale_loss` handed out in it.
 _HANDED_OUT: weakref.WeakKeyDictionary[Any, list[weakref.ref]] = (
     weakref.WeakKeyDictionary()
 )
@@ -142,11 +127,7 @@ def _tag(scale: Any) -> None:
 
 
 def check_scaled_with(scale: Any, stacklevel: int) -> None:
-    """Warns, at trace time, if this trace's losses were scaled by other states.
-
-    When `scale_loss` handed out scales in this trace and the state's ``scale``
-    is none of them, two jls optimizers' states were swapped.
-    """
+    """Warns, at trace time, if this trace's losses were scaled by other states."""
     trace = _trace_of(scale)
     refs = _HANDED_OUT.get(trace) if trace is not None else None
     if not refs or any(ref() is scale for ref in refs):
@@ -210,11 +191,7 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
 
 
 def _warn_varying(loss: jax.Array) -> None:
-    """Warns, at trace time, of a loss whose gradients jax will sum over axes.
-
-    Under ``shard_map(check_vma=True)`` such gradients are the replicas' sum,
-    which nothing later can tell from a mean.
-    """
+    """Warns, at trace time, of a loss whose gradients jax will sum over axes."""
     axes = tuple(sorted(varying_axes(loss)))
     if axes:
         name = axes[0] if len(axes) == 1 else axes

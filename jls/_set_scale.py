@@ -24,11 +24,9 @@ def set_loss_scale(
     """Returns ``opt_state`` with a new loss scale, or a whole new state.
 
     Args:
-      opt_state: an optimizer state containing one `LossScaleState` (or the
-        `LossScaleState` itself).
-      scale: the new scale, a positive normal float32; traced inside
-        ``jit``, a value that would be refused leaves the scale unchanged.
-        Or a whole `LossScaleState`, which replaces the state's one.
+      opt_state: an optimizer state containing one `LossScaleState`, or it.
+      scale: the new scale, a positive normal float32 (traced, a value that
+        would be refused leaves the scale unchanged); or a `LossScaleState`.
       scaler: the run's `LossScaler`; when given, ``scale`` must lie in its
         range (`jls.LossScaler.in_range`).
       reset_counters: restart the counters as ``scaler`` restarts them

@@ -1,11 +1,8 @@
 """One gradient in shards: per-device statistics made global, on any mesh.
 
 A sharded gradient's rows add over its shards; a replicated one's are kept.
-Which named axes a gradient is sharded over is read off jax's types where
-it records them (``shard_map(check_vma=True)``); elsewhere (``pmap``,
-``check_vma=False``, a named ``vmap``) ``axis_name`` says, as a dict
-(`named_axes`), or a statistic over shards refuses: equal values never
-make shards replicas.
+The sharded axes are read off jax's types where it records them, else from
+``axis_name`` as a dict (`named_axes`), else a statistic over shards refuses.
 """
 
 from __future__ import annotations
@@ -73,9 +70,6 @@ def named_axes(value: Any) -> tuple[str, ...]:
 def shard_axes(tree: Any, named: tuple[str, ...], what: str) -> list[frozenset[str]]:
     """Per leaf of ``tree`` (``jax.tree.leaves``), the axes it is sharded over.
 
-    Every ``shard_map`` axis it varies over where jax records them; else the
-    named axes ``axis_name`` declares it sharded over.
-
     Raises:
       ValueError: where jax records no varying axes and ``axis_name`` names
         axes without a declaration (``what`` needs it), or a declaration is
@@ -134,19 +128,11 @@ def global_rows(
 ) -> list[jax.Array]:
     """Per-device rows of statistics, one per reduction, made global.
 
-    Args:
-      rows: per reduction, a float32 vector: its first ``added`` entries add
-        over shards, the rest take the maximum.
-      varying: per reduction, the axes its gradient is sharded over
-        (`shard_axes`).
-      added: how many leading entries of each row add.
-
-    Returns:
-      The rows over the whole gradients, equal on every device.
+    Each row's first ``added`` entries add over the axes in ``varying`` (per
+    reduction, `shard_axes`), the rest take the maximum.
     """
     out = list(rows)
-    # Rows are stacked only with rows of the same axes: a stack of rows
-    # varying over other axes would vary over them all.
+    # Rows are stacked only with rows of the same axes.
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, axes in enumerate(varying):
         if axes:

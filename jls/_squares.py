@@ -1,12 +1,8 @@
 """The squares check: the finite flag, the gradients' range and their norm.
 
-With the measured rule, the norm metric or the spike rule, the check is a
-sum of squares per reduction: one pass gives the flag, each reduction's
-root-mean-square and the global norm, with the magnitude check's promises.
-Squares cannot cancel, and an element that rounds to inf squares to inf. A
-finite plain sum proves every value finite; only when it is not does a
-second pass (in a ``lax.cond``) sum the squares shrunk by ``2**-84``, which
-no finite float32 values overflow.
+One pass gives the flag, each reduction's root-mean-square and the global
+norm. A finite plain sum proves every value finite; only when it is not does
+a second pass (in a ``lax.cond``) sum the squares shrunk by ``2**-84``.
 """
 
 from __future__ import annotations
@@ -51,10 +47,7 @@ class Measured(NamedTuple):
     flags: tuple[jax.Array, ...] = ()
 
 
-# The squares are also summed shrunk by 2**-84 (float64: 2**-532) when their
-# plain sum overflows: a square is then at most 2**88 (2**960), and 2**31
-# of them, with the worst rounding of the additions (a factor 129), stay
-# below the float32 (float64) maximum.
+# Shrunk by 2**-84 (float64: 2**-532), 2**31 squares stay below the maximum.
 _SHRINK_EXP = {np.dtype(np.float32): 84, np.dtype(np.float64): 532}
 _HIGH_EXP = 2 * _SHRINK_EXP[np.dtype(np.float32)]  # Measured.high's unit
 
@@ -68,11 +61,7 @@ def _values(parts: list[jax.Array], dtype: Any) -> list[jax.Array]:
 
 
 def _sum_of(parts: list[jax.Array], dtype: Any, square: Any) -> jax.Array:
-    """``sum(square(x))`` over ``parts``, accumulated in ``dtype``.
-
-    Several parts are concatenated first (one kernel); one part is not
-    reshaped, as it may be sharded.
-    """
+    """``sum(square(x))`` over ``parts`` (concatenated: one kernel) in ``dtype``."""
     pieces = _values(parts, dtype)
     if len(parts) == 1:
         return jnp.sum(functools.reduce(jnp.add, [square(p) for p in pieces]))
@@ -87,10 +76,7 @@ def leaves_squares(
 ) -> Measured:
     """The finite check as a sum of squares, with the range and norm it gives.
 
-    Reductions as `leaves_finite`'s. A leaf sharded over axes (``shards``,
-    per leaf, `jls._shards.shard_axes`) has its sums added over them, and
-    the replicas over ``named`` agree on the flag and on ``flags``: one
-    all-reduce in all (`_agreed`).
+    Reductions as `leaves_finite`'s; one all-reduce in all (`_agreed`).
     """
     shards = shards or (frozenset(),) * len(leaves)
     reductions: list[tuple[list[jax.Array], Any, frozenset[str]]] = []
@@ -156,12 +142,7 @@ def _agreed(
     tracked: bool,
     flags: tuple[jax.Array, ...],
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Rows added over the axes they are sharded on, ``flags`` and-ed: one psum.
-
-    Over ``named`` and every axis a row or flag varies over. A row counts
-    once over the axes it is not sharded on (the first member's, exactly:
-    the others add zeros); a flag counts as the members where it is false.
-    """
+    """Rows added over the axes they are sharded on, ``flags`` and-ed: one psum."""
     f32 = jnp.float32
     bad = jnp.stack([(~jnp.asarray(f)).astype(f32) for f in flags])
     axes = tuple(sorted(set(named).union(*varying, varying_axes(bad))))
@@ -179,18 +160,13 @@ def _agreed(
 
 
 def _in_high_units(low: jax.Array, high: Any, dtype: Any) -> jax.Array:
-    """A reduction's sum of squares in float32 units of ``2**-168``.
-
-    From ``high`` (shrunk by `_SHRINK_EXP`), or from ``low`` when ``high`` is
-    ``None``; inf when too large for those units.
-    """
+    """A reduction's sum of squares in float32 units of ``2**-168`` (or inf)."""
     f32 = jnp.float32
     scaled = (low * jnp.asarray(2.0**-_HIGH_EXP, low.dtype)).astype(f32)
     if high is None:
         return scaled
     if np.dtype(dtype) == np.dtype(np.float64):
-        # Its plain sum overflows only past 2**1024, far past float32 units:
-        # inf there, unless a value was not finite (nan).
+        # Its plain sum overflows only past 2**1024, far past float32 units.
         return jnp.where(
             jnp.isfinite(low),
             scaled,
@@ -200,11 +176,7 @@ def _in_high_units(low: jax.Array, high: Any, dtype: Any) -> jax.Array:
 
 
 def unscaled_norm(measured: Measured, scale: jax.Array) -> jax.Array:
-    """The global norm of the unscaled gradients, ``sqrt(sum) / scale``.
-
-    Exact to rounding for every finite norm: the shrunk sum's exponent is
-    applied with ``ldexp`` so that nothing overflows or flushes.
-    """
+    """The global norm of the unscaled gradients, exact for every finite norm."""
     f32 = jnp.float32
     scale = scale.astype(f32)
     plain = jnp.sqrt(measured.low) / scale

@@ -1,8 +1,4 @@
-"""`LossScaleState`: the whole dynamic part of loss scaling, as arrays.
-
-Every rule uses this one state type, so switching scalers never changes a
-checkpoint's structure or retraces a step.
-"""
+"""`LossScaleState`: the whole dynamic part of loss scaling, for every rule."""
 
 from __future__ import annotations
 
@@ -22,16 +18,12 @@ class LossScaleState(NamedTuple):
     Attributes:
       scale: float32, the factor the loss is multiplied by.
       growth_count: int32, finite steps counted towards the next growth.
-      backoff_count: int32, non-finite steps counted towards the next
-        back-off (``backoff_interval``, ``hysteresis``; else 0).
+      backoff_count: int32, non-finite steps towards the next back-off.
       consecutive_skips: int32, dropped steps in a row, ending with the latest.
       total_skips: int32, steps so far whose update was dropped.
-      consecutive_nonfinite: int32, steps in a row, ending with the latest,
-        with non-finite gradients (dropped or not).
-      retries: int32, times the latest step's gradients were recomputed
-        (``jls.train_step(..., max_retries=n)``).
-      headroom: float32, `jls.measured_scale`'s extra headroom, a power of
-        two >= 1; 1 for every other rule.
+      consecutive_nonfinite: int32, steps in a row with non-finite gradients.
+      retries: int32, times the latest step's gradients were recomputed.
+      headroom: float32, `jls.measured_scale`'s extra headroom (else 1).
 
     Example:
       >>> import jls
@@ -88,10 +80,8 @@ def make_state(
 def overwritten(old: jax.Array, value: Any) -> jax.Array:
     """``value`` (of ``old``'s type) computed from ``old``: one select.
 
-    A constant output leaves a donated ``old`` unused, which shifts jax's
-    pairing of donated buffers with outputs: XLA then copies each scalar of
-    the state (and folds ``old * 0``). The barrier keeps the select, done in
-    place.
+    A constant output would leave a donated ``old`` unused, and XLA would then
+    copy each scalar of the state.
     """
     return jnp.where(lax.optimization_barrier(old) == value, old, value)
 
@@ -111,13 +101,7 @@ def check_state(
 ) -> LossScaleState:
     """Validates a `LossScaleState` at trace time and unwraps boxed leaves.
 
-    Args:
-      state: the value to check.
-      argname: the argument name used in error messages.
-      batched: accept fields of one common shape (a ``vmap``-ed state).
-
-    Returns:
-      ``state`` with every field a plain (possibly traced) array.
+    ``batched``: accept fields of one common shape (a ``vmap``-ed state).
 
     Raises:
       TypeError: if ``state`` is not a `LossScaleState`, or a field has the

@@ -1,10 +1,7 @@
 """`train_step`: a loss function and a `loss_scaling` transformation, one call.
 
-The step scales the loss, differentiates, checks once and applies the fused
-update. Retries recompute an overflowed step at the backed-off scale within
-the call; accumulation adds micro-batches in float32 under one scale, each
-pre-multiplied by a power of two at or below ``1 / k`` so the accumulator
-overflows only where the mean does (docs/howto/accumulation.md).
+Accumulation pre-multiplies each micro-batch by a power of two at or below
+``1 / k``, so the accumulator overflows only where the mean does.
 """
 
 from __future__ import annotations
@@ -34,14 +31,12 @@ class StepOutput(NamedTuple):
     Attributes:
       loss: the unscaled loss (float32; the mean over micro-batches).
       aux: ``loss_fn``'s auxiliary output (stacked over micro-batches).
-      nonfinite: whether the step's gradients (after any retries) were not
-        all finite (or its scale was outside the scaler's range).
+      nonfinite: whether the step's (last) gradients were not all finite.
       skipped: whether the step's update was dropped.
       loss_scale: the scale the step's (last) gradients were computed with.
       next_loss_scale: the scale for the next step.
       retries: how many times the gradients were recomputed (int32).
-      nonfinite_loss: whether the loss itself was not finite (the step was
-        skipped with the scale held).
+      nonfinite_loss: whether the loss itself was not finite.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -165,11 +160,9 @@ def _scaled_grads(grad: Callable, trainable, scale, batch, k: int, average_over)
 
 
 def _retried(scaler: Any, attempt: Callable, first: tuple, max_retries: int):
-    """Recomputes the gradients under a backed-off scale while they overflow.
+    """The last attempt's ``(loss_scale, grads, loss, aux, decision)``, and retries.
 
     A retry needs a valid scale that the rule would lower and a finite loss.
-    Returns the last attempt's ``(loss_scale, grads, loss, aux, decision)`` and
-    the number of retries.
     """
     loss = first[2]
 
@@ -193,9 +186,7 @@ def _make_step(config, loss_fn, has_aux, max_retries, k, average_over) -> Callab
 
     def step(params, opt_state, *batch):
         state = validate(config, opt_state, params)
-        # Split once: the floating arrays are differentiated and stepped; a
-        # whole model (an equinox Module) also holds functions, numbers and
-        # integer arrays.
+        # Split once: only the floating arrays are differentiated and stepped.
         trainable, rest = split_inexact(params)
         grad = _gradient(loss_fn, has_aux, rest)
         if not average_over:
@@ -250,14 +241,12 @@ def train_step(
         ``(loss, aux)`` with ``has_aux``; jls scales it in float32.
       tx: a transformation made by `jls.loss_scaling` (or a `jls.LossScaling`).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      max_retries: recompute the gradients up to this many times with the
-        backed-off scale when they overflow; 0 (default) skips the step at
-        once. Retries are reported, and are not counted as steps.
+      max_retries: recompute overflowed gradients up to this many times at
+        the backed-off scale; 0 (default) skips the step at once.
       accumulation_steps: cut each batch into this many micro-batches along
         the leading axis and accumulate their gradients under one scale.
       average_over: the ``pmap``/``shard_map`` axis name (or names) to average
-        the gradients and the loss over, before the check; not needed under
-        ``jit`` over sharded arrays (docs/parallelism.md).
+        the gradients and the loss over (docs/parallelism.md).
 
     Returns:
       ``step(params, opt_state, *batch) -> (params, opt_state, StepOutput)``.

@@ -1,8 +1,4 @@
-"""`LossScaling`: the object that owns a loss-scaled step, and its optax pair.
-
-It holds a frozen `jls._config.Config`; every step is `jls._core.step` over
-it. `config_of` finds it behind a transformation for the other entry points.
-"""
+"""`LossScaling`: the object that owns a loss-scaled step, and its optax pair."""
 
 from __future__ import annotations
 
@@ -23,23 +19,20 @@ from jls.hooks._hooks import Hook, LossScalingState
 class LossScaling:
     """Loss scaling around an optax optimizer: the object that owns the step.
 
-    `jls.loss_scaling` returns its `gradient_transformation` (as
-    ``optax.MultiSteps`` owns its pair). It takes hooks, not
-    `jls.loss_scaling`'s feature keywords, so it has no divergence flag
+    `jls.loss_scaling` returns its `gradient_transformation`. It takes hooks,
+    not `jls.loss_scaling`'s feature keywords, so it has no divergence flag
     unless given one (``hooks=(jls.hooks.Divergence(1000),)``).
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
       scaler: a `LossScaler`; default ``jls.dynamic_scale()``.
-      axis_name: the axis name (or names) replicas agree over, as for
-        `jls.loss_scaling`.
+      axis_name: the axis name (or names) replicas agree over.
       hooks: the `jls.hooks.Hook` objects the step consults, in order.
-      **options: refused: a feature keyword of `jls.loss_scaling` raises a
-        TypeError naming the hooks it stands for.
+      **options: refused, naming the hooks a feature keyword stands for.
 
     Attributes:
       config: the frozen configuration (``inner``, ``scaler``, ``axis_name``,
-        ``hooks``, also attributes); the state is a `jls.LossScalingState`.
+        ``hooks``, also attributes).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls

@@ -1,9 +1,4 @@
-"""Finding jls's states inside any optax state, and splitting a model.
-
-Lookups are ``optax.tree.get_all_with_path`` by type name (it reaches inside
-optax and flax ``nnx`` states). A model may be an equinox ``Module``: the
-step splits off its floating arrays and `merge` puts them back.
-"""
+"""Finding jls's states inside any optax state, and splitting a model."""
 
 from __future__ import annotations
 

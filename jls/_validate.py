@@ -1,10 +1,4 @@
-"""Validation of configuration values, written once for every factory.
-
-Each validator takes the user's own argument name (a preset's is its
-framework's) and the value, and returns a plain Python number or bool, or
-raises ``TypeError``/``ValueError`` naming both. Numpy scalars and concrete
-0-d arrays are accepted; traced values are refused.
-"""
+"""Validators: a plain Python number or bool, or an error naming the argument."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """flax drop-ins on jls's fused path: ``jls.flax.Optimizer``, ``jls.flax.TrainState``.
 
-They differ from flax's in three ways: the step is `jls.apply_gradients`
-(no updates tree between ``tx.update`` and ``optax.apply_updates``);
-``step`` counts applied steps only, as the inner optimizer's schedules do;
-and on a skipped step the state the forward pass wrote outside the optimizer
-(BatchNorm statistics, linen's fp8 ``_overwrite_with_gradient`` values) is
-kept as it was, by the same select per leaf as the step
-(`jls._cond.select_tree`). fp8 values are checked with the gradients but
-never unscaled, as Keras's ``LossScaleOptimizer`` does. Needs flax
-(``pip install -e ".[flax]"``); ``docs/howto/flax.md`` shows both.
+The step is `jls.apply_gradients`; ``step`` counts applied steps only; a
+skipped step keeps the state the forward pass wrote (BatchNorm statistics,
+fp8 values, which are checked but never unscaled). Needs flax;
+``docs/howto/flax.md`` shows both.
 """
 
 from __future__ import annotations
@@ -72,10 +67,7 @@ class TrainState(train_state.TrainState):
         fp8 = OVERWRITE_WITH_GRADIENT in grads
         params = self.params["params"] if fp8 else self.params
         trainable = grads["params"] if fp8 else grads
-        # The decision reads every value, the fp8 ones too (as Keras's
-        # check does), before the replicas agree on it; only the trainable
-        # gradients are unscaled, stepped and measured (fp8 scales and amax
-        # values do not scale with the loss).
+        # Every value is checked, fp8 ones too; only the trainable are unscaled.
         extra = {} if loss is None else {"loss": loss}
         new_params, opt_state = step(
             config,
@@ -88,9 +80,7 @@ class TrainState(train_state.TrainState):
         )
         off = config.off  # the plain optimizer
         applied = jnp.asarray(True) if off else ~metrics(opt_state)["skipped"]
-        # Every other field the step writes (BatchNorm's batch_stats, the fp8
-        # values) is kept as it was on a skipped step: a forward pass that
-        # overflowed wrote inf statistics and amax values.
+        # Every other field the step writes is kept as it was on a skipped step.
         new = dict(kwargs)
         old = {name: getattr(self, name) for name in kwargs}
         if fp8:
@@ -121,8 +111,7 @@ class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` on jls's fused path; ``step`` counts applied steps.
 
     Make it as flax's: ``jls.flax.Optimizer(model, jls.loss_scaling(...),
-    wrt=nnx.Param)``. A ``tx`` not made by `jls.loss_scaling` itself is
-    refused here with a ``TypeError``.
+    wrt=nnx.Param)``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls, jls.flax
@@ -144,8 +133,7 @@ class Optimizer(nnx.Optimizer):
         config_of(tx)  # refused here, not at the first update
         super().__init__(model, tx, wrt=wrt, **kwargs)
         self.keep = keep
-        # The kept variables as they were after the latest step: a skipped
-        # step writes them back (its forward pass may have written inf).
+        # The kept variables after the latest step: a skipped step restores them.
         kept = {} if keep is None else _pure(nnx.state(model, keep, **self._graph()))
         self.kept = nnx.data(to_opt_state(kept))
 
@@ -156,9 +144,8 @@ class Optimizer(nnx.Optimizer):
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
         """One fused, loss-scaled step (``grads`` are the scaled gradients).
 
-        Returns nothing (no updates tree is built). On a skipped step the
-        ``keep`` variables (``nnx.BatchStat``) are restored as they were;
-        ``kwargs`` go to the transformation (``loss=`` for a hook).
+        On a skipped step the ``keep`` variables (``nnx.BatchStat``) are
+        restored; ``kwargs`` go to the transformation (``loss=``).
         """
         graph = self._graph()
         params = _pure(nnx.state(model, self.wrt, **graph))

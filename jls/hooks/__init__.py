@@ -41,8 +41,6 @@ _BUILTIN: dict[type[Hook], str] = {
 def builtin_metrics() -> list[tuple[str, str, str, tuple[str, ...]]]:
     """``(class, state name, keyword, metric keys)`` of every built-in hook.
 
-    Read from the hooks themselves, so the docs' table cannot drift.
-
     Example:
       >>> import jls
       >>> rows = {row[0]: row[3] for row in jls.hooks.builtin_metrics()}

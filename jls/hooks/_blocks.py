@@ -1,11 +1,7 @@
 """Which entries of a leaf `jls.hooks.Stagnation` reads at each step of its cycle.
 
 Step ``k`` reads the entries whose index along the leaf's cut axis
-(`cut_axis`) is ``k`` modulo ``every``; a leaf with none is read whole,
-under a mask on its last axis. Each entry is read once per cycle
-(`read_phases`). The cut touches no other axis, and a shard along it over
-a device count dividing `ROWS` holds whole runs: a sharded leaf is read
-where it lies (a masked one however it is sharded).
+(`cut_axis`) is ``k`` modulo ``every``; a leaf with none, under a mask.
 """
 
 from __future__ import annotations
@@ -29,10 +25,7 @@ def cut_axis(shape: tuple[int, ...], every: int) -> int | None:
 
 
 def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
-    """The step of the cycle (0 to ``every - 1``) at which each entry is read.
-
-    numpy: the model of what `read_block` slices and the mask keeps.
-    """
+    """The step of the cycle at which each entry is read (numpy, a model)."""
     shape = shape or (1,)
     cut = cut_axis(shape, every)
     axis = len(shape) - 1 if cut is None else cut
@@ -42,10 +35,7 @@ def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
 
 
 def read_block(x: jax.Array, phase: jax.Array, every: int, cut: int) -> jax.Array:
-    """The entries of ``x`` read at ``phase`` (`read_phases`), the cut axis first.
-
-    A reshape to ``(n // every, every)`` along it and a dynamic slice.
-    """
+    """The entries of ``x`` read at ``phase`` (`read_phases`), the cut axis first."""
     n = x.shape[cut]
     split = jnp.reshape(x, (*x.shape[:cut], n // every, every, *x.shape[cut + 1 :]))
     read = lax.dynamic_index_in_dim(split, phase, axis=cut + 1, keepdims=False)

@@ -36,9 +36,7 @@ def nonfinite_leaf_flags(tree: Any, finite: jax.Array, scale: jax.Array) -> Any:
 
         return run
 
-    # The finite branch's False is derived from each leaf (an empty reduction
-    # reads nothing) so both branches carry the same varying axes under
-    # shard_map.
+    # False derived from each leaf: both branches vary over the same axes.
     no_flags = per_leaf(lambda x: jnp.any(jnp.isnan(_empty_slice(x))))
     leaves, treedef = jax.tree.flatten(tree)
     factors = reciprocals(scale, leaves)
@@ -61,10 +59,9 @@ class Diagnostics(Hook):
     """Records which gradient leaves were not finite on the latest step.
 
     ``jls.metrics(...)["nonfinite_leaves"]`` is a tree of bools like the
-    parameters (a leaf is flagged if it was not finite on any replica);
-    `jls.hooks.nonfinite_paths` names them. A finite step costs nothing (no
-    second look at the gradients); a skipped one makes one more exact pass,
-    inside a ``lax.cond``.
+    parameters (flagged if not finite on any replica);
+    `jls.hooks.nonfinite_paths` names them. Only a skipped step pays a second
+    pass.
     """
 
     name = "diagnostics"
@@ -93,12 +90,11 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
     """On the host (a sync point): the paths of the leaves that were not finite.
 
     Args:
-      opt_state: the state of a ``jls.loss_scaling(..., diagnostics=True)``
-        transformation, or any optimizer state containing it.
+      opt_state: any optimizer state containing the state of a
+        ``jls.loss_scaling(..., diagnostics=True)`` transformation.
 
     Returns:
-      Key paths such as ``"['dense']['kernel']"``, in tree order; empty after
-      a finite step.
+      Key paths such as ``"['dense']['kernel']"``, in tree order.
 
     Raises:
       ValueError: if the state has no diagnostics.
@@ -124,10 +120,5 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
             "this state records no per-leaf diagnostics: make the transformation "
             "with jls.loss_scaling(..., diagnostics=True)"
         )
-    return [
-        jax.tree_util.keystr(path)
-        for path, flag in jax.tree_util.tree_flatten_with_path(state.nonfinite_leaves)[
-            0
-        ]
-        if bool(np.any(np.asarray(flag)))
-    ]
+    flags = jax.tree_util.tree_flatten_with_path(state.nonfinite_leaves)[0]
+    return [jax.tree_util.keystr(p) for p, f in flags if bool(np.any(np.asarray(f)))]

@@ -17,8 +17,7 @@ from jls._tree import loss_scale_state, plain
 from jls._validate import integer
 from jls.hooks._hooks import Hook, StepInfo, hook_state
 
-# The default divergence limit: a run that skipped this many steps in a row
-# can only skip (DeepSpeed stops at its minimum scale, MindSpore after 1000).
+# The default divergence limit (MindSpore stops after 1000 skips in a row).
 DIVERGENCE_LIMIT = 1000
 
 
@@ -36,10 +35,8 @@ class DivergenceState(NamedTuple):
 class Divergence(Hook):
     """A sticky ``diverged`` flag: set once ``limit`` steps in a row were skipped.
 
-    A run whose gradients stay non-finite makes no progress. Every
-    `jls.loss_scaling` adds this hook (``max_consecutive_skips=1000``;
-    ``None``: none); `jls.hooks.raise_if_diverged` raises from the flag. It
-    is plain state, exact under ``vmap``, ``scan`` and ``pmap``.
+    Every `jls.loss_scaling` adds this hook (``max_consecutive_skips=1000``);
+    `jls.hooks.raise_if_diverged` raises from the flag.
 
     Attributes:
       limit: an int in ``[1, 2**31 - 1]``.
@@ -86,10 +83,7 @@ def _flags(opt_state: Any, limit: int | None) -> tuple[Any, str]:
 
 
 def _under_checkify() -> bool:
-    """Whether ``checkify.checkify`` traces the caller (a frame of its module).
-
-    Without it a ``checkify.check`` under ``jit`` fails later, unhelpfully.
-    """
+    """Whether ``checkify.checkify`` traces the caller (a frame of its module)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.endswith(_CHECKIFY_FILE):
@@ -104,20 +98,17 @@ _CHECKIFY_FILE = os.path.join("jax", "_src", "checkify.py")
 def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) -> None:
     """Raises `DivergenceError` if the run has diverged.
 
-    On the host it reads the state (a sync point: call it where you log
-    metrics). Inside ``jit`` it adds a ``jax.experimental.checkify`` check:
-    the error of ``checkify.checkify(step)`` raises it (``throw()``). It reads
-    the sticky ``diverged`` flag (`jls.hooks.Divergence`), or with a limit
-    compares ``consecutive_skips``.
+    On the host it reads the state (a sync point); inside ``jit`` it adds a
+    ``jax.experimental.checkify`` check. It reads the sticky ``diverged`` flag
+    (`jls.hooks.Divergence`), or with a limit compares ``consecutive_skips``.
 
     Args:
       opt_state: an optimizer state containing a `LossScaleState` (batched
-        under ``vmap``/``pmap`` too: any member raises).
+        too: any member raises).
       max_consecutive_skips: ``None``, or a limit, an int >= 1.
 
     Raises:
-      DivergenceError: on the host, if the flag is set or
-        ``consecutive_skips`` reached the limit.
+      DivergenceError: on the host, if the run diverged.
       ValueError: if the limit is not an int >= 1, or none is given and the
         state keeps no flag.
 

@@ -1,10 +1,4 @@
-"""The seam: hooks the step consults, and the transformation's state.
-
-Every optional feature of a step is a `Hook` (`jls.hooks` lists them), and
-so is a veto of a user's own; the step (`jls._core`, which says when each
-method is called) knows hooks only through this class, so adding one never
-grows it.
-"""
+"""The seam: hooks the step consults (adding one never grows the step)."""
 
 from __future__ import annotations
 
@@ -25,8 +19,7 @@ class LossScalingState(NamedTuple):
 
     Attributes:
       loss_scale: the `jls.LossScaleState` (scale and counters).
-      inner_state: the wrapped optimizer's state; bitwise unchanged by a
-        skipped step.
+      inner_state: the wrapped optimizer's state.
       hooks: each hook's state, by the hook's name.
 
     Example:
@@ -47,9 +40,7 @@ class HookContext(NamedTuple):
 
     Attributes:
       scaler: the transformation's `jls.LossScaler`.
-      axis_name: its ``axis_name``, a tuple (empty without one); given as a
-        dict, a tuple of its keys whose ``sharded`` is the dict
-        (`jls._shards.shard_axes` reads it).
+      axis_name: its ``axis_name``, a tuple (empty without one).
       hooks: every hook of the transformation, in order.
     """
 
@@ -67,19 +58,14 @@ class StepInfo(NamedTuple):
       finite: whether they are all finite and the scale was in range.
       norm: the unscaled gradients' global norm (float32) if a hook has
         ``needs_norm``, else ``None``.
-      loss: the unscaled loss (float32, the replicas' mean) if given
-        (``loss=``, `jls.train_step`), else ``None``.
+      loss: the unscaled loss (float32, the replicas' mean), or ``None``.
       applied: whether the update was applied (``None`` in `Hook.veto`).
-      loss_scale: the `jls.LossScaleState` after the step (``None`` in
-        `Hook.veto`).
-      any_replica: reduces a list of scalar (or per-leaf) bools over the
-        replicas: true where any replica's is.
+      loss_scale: the `jls.LossScaleState` after the step (``None`` in veto).
+      any_replica: reduces a list of bools over the replicas: true where any is.
       same_on_replicas: whether a list of float32 scalars is bitwise equal
         on every replica of ``axis_name``, or of the axes given second.
       axis_name: the transformation's ``axis_name``, as in `HookContext`.
-      reads: what the hooks read of the updates, by name
-        (`Hook.read_updates`; zeros on a skipped step; ``None`` in
-        `Hook.veto`).
+      reads: what the hooks read of the updates, by name (``None`` in veto).
     """
 
     grads: Any
@@ -101,18 +87,15 @@ class Hook:
     """A veto or a statistic the step consults; override what you need.
 
     Subclasses set ``name`` and the flags they need; every method's default
-    does nothing. Make hooks immutable (a frozen dataclass), as
-    configuration. `jls.metrics` reports a state that is a NamedTuple with
-    a ``metrics(self)`` method, as every built-in hook's is.
+    does nothing. Make hooks immutable (a frozen dataclass). `jls.metrics`
+    reports a state that is a NamedTuple with a ``metrics(self)`` method.
 
     Attributes:
       name: the key of this hook's state, unique among the hooks.
-      needs_norm: the step must measure the gradients' norm (in the check's
-        own pass).
+      needs_norm: the step must measure the gradients' norm.
       needs_loss: every step must be given ``loss=`` (the unscaled loss).
       reads_loss: the hook reads the loss when the step has it.
-      holds_scale: a step this hook skips leaves the scale rule where it was;
-        otherwise the rule advances as for any finite step.
+      holds_scale: a step this hook skips leaves the scale rule where it was.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -148,11 +131,7 @@ class Hook:
             )
 
     def check(self, context: HookContext) -> None:
-        """Raises if this hook cannot work with the rest of the transformation.
-
-        Called once, when the transformation is made (a hook that needs an
-        ``axis_name``, say). The default accepts anything.
-        """
+        """Raises if this hook cannot work with the rest of the transformation."""
         del context
 
     def init(self, params: Any) -> Any:
@@ -168,8 +147,7 @@ class Hook:
     def gradient_factor(self, state: Any, info: StepInfo) -> jax.Array | None:
         """A float32 scalar in ``[0, 1]`` the unscaled gradients are multiplied by.
 
-        ``None``: no opinion. Applied within the unscaling (no extra pass);
-        compute it from values the replicas agree on (``info``, the state).
+        ``None``: no opinion. Compute it from values the replicas agree on.
         """
         del state, info
         return None
@@ -177,9 +155,8 @@ class Hook:
     def reads_updates(self, state: Any) -> Any:
         """Whether to read this step's updates (`read_updates`).
 
-        ``None``: never; ``True``: every step, inline; a traced bool: the
-        steps it is true on, read inside a ``lax.cond`` (which holds the
-        updates in memory).
+        ``None``: never; ``True``: every step; a traced bool: the steps it is
+        true on (inside a ``lax.cond``).
         """
         del state
         return None
@@ -187,10 +164,8 @@ class Hook:
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
         """What the hook reads of the updates (a pytree of arrays).
 
-        ``updates`` are the inner optimizer's, ``new_params`` the parameters
-        they make (``None`` for leaves not updated); the old parameters are
-        not offered (reading them beside their in-place update makes XLA
-        copy them). `update` gets the result as ``info.reads[name]``.
+        ``new_params`` are the parameters ``updates`` make (the old ones would
+        make XLA copy them); `update` gets the result as ``info.reads[name]``.
         """
         del state, new_params, updates
         return ()
@@ -227,9 +202,6 @@ def read_hooks_updates(
     readers: list[Hook], states: dict[str, Any], params: Any, new: Any, updates: Any
 ) -> dict[str, Any]:
     """Each reading hook's `Hook.read_updates`, by name, on the steps it asks.
-
-    Inline for ``True``, else inside a ``lax.cond`` whose other branch gives
-    zeros; a skipped step's reads are zeroed by `jls._core.recorded`.
 
     Raises:
       TypeError: at trace time, where a hook reads and ``params`` is ``None``.

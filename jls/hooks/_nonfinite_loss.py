@@ -28,10 +28,8 @@ class NonfiniteLossState(NamedTuple):
 class NonfiniteLoss(Hook):
     """Skips a step whose loss is not finite, holding the scale rule.
 
-    No loss scale helps a nan or inf loss, so backing off for it would throw
-    the scale away; the step is skipped (counted in ``total_skips``; no retry
-    in `jls.train_step`) with the scale and counters held. Always on; it acts
-    where the step has the loss (`jls.train_step`, or ``loss=``).
+    No loss scale helps a nan or inf loss, so the scale is not backed off.
+    Always on, where the step has the loss (`jls.train_step`, or ``loss=``).
 
     Attributes:
       skips: veto such a step (``False``, as with ``skip_nonfinite=False``:

@@ -27,10 +27,8 @@ class GradientNormState(NamedTuple):
 class GradientNorm(Hook):
     """Records ``gradient_norm``: the global norm of the unscaled gradients.
 
-    The check measures it in its own pass (a sum of squares: no second
-    read of the gradients, unlike ``optax.global_norm``), exact for
-    every finite norm; inf past the float32 maximum and after a non-finite
-    step, never nan.
+    Measured in the check's own pass, exact for every finite norm; inf past
+    the float32 maximum and after a non-finite step, never nan.
     """
 
     name = "gradient_norm"

@@ -43,16 +43,11 @@ class ReplicaCheckState(NamedTuple):
 class ReplicaCheck(Hook):
     """Flags finite steps whose gradients differ between replicas.
 
-    ``axis_name`` makes replicas agree on the skip and the scale, not on the
-    gradients: under ``pmap``, ``check_vma=False`` or a named ``vmap`` a step
-    that forgets ``lax.pmean`` steps each replica with its own. This compares
-    each floating leaf's first element, bitwise, across the replicas (one
-    small collective; a difference confined to other elements is missed) and
-    reports ``replicas_differ`` and ``replica_mismatches`` (vetoed finite
-    steps count too). Leaves ``axis_name`` declares sharded over the compared
-    axes (a dict, `jls.loss_scaling`) are not compared. Under
-    ``shard_map(check_vma=True)`` jax's types already keep replicas equal:
-    nothing is compared.
+    A step that forgets ``lax.pmean`` steps each replica with its own. This
+    compares each floating leaf's first element, bitwise, across the replicas
+    and reports ``replicas_differ`` and ``replica_mismatches``. Leaves declared
+    sharded over the compared axes are not compared; under
+    ``shard_map(check_vma=True)`` nothing is.
 
     Attributes:
       axes: the data-parallel axes compared over (``check_replicas="data"``

@@ -1,10 +1,4 @@
-"""What the scale does to the gradients: underflow and headroom, each step.
-
-Both statistics come from one variadic reduction per leaf, which XLA fuses
-with the gradient's producer as it does the check. Every replica reports
-the same, as for the gradient norm (`jls._shards`): a leaf sharded over an
-axis has its counts added over it, a replicated one not.
-"""
+"""What the scale does to the gradients: underflow and headroom, each step."""
 
 from __future__ import annotations
 
@@ -44,17 +38,12 @@ def _largest_part(x: jax.Array) -> jax.Array:
 
 
 def _largest_and_count(x: Any, y: Any) -> tuple[Any, Any]:
-    # One function for every call: lax.reduce caches its computation by it
-    # (a new function per call compiled the reduction anew on every eager step).
+    # One function for every call: lax.reduce caches its computation by it.
     return jnp.maximum(x[0], y[0]), x[1] + y[1]
 
 
 def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(max(a), sum(small))`` in one variadic reduction.
-
-    Two where ``a`` may be sharded (`jls._finite.one_reduction_is_safe`):
-    the partitioner would gather a sharded variadic reduction's operands.
-    """
+    """``(max(a), sum(small))`` in one reduction (two where ``a`` may be sharded)."""
     if not one_reduction_is_safe(a):
         return jnp.max(a), jnp.sum(small, dtype=jnp.int32)
     dims = tuple(range(a.ndim))
@@ -67,26 +56,15 @@ def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
 class ScaleStats(Hook):
     """Records what the scale does to the scaled gradients, in a compute dtype.
 
-    A too-small scale shows only as a worse loss: float16 flushes small
-    gradients to zero and nothing says so. Each step this records
-    ``underflow_fraction``, the fraction of entries below the dtype's
-    smallest normal (zeros included), and ``headroom_bits``, ``log2(dtype
-    max / max |g|)`` (``-inf`` after a non-finite step, ``+inf`` when every
-    gradient is zero; a complex entry counts by its larger component). Pass
-    ``scale_stats=True`` (``ScaleStats()``), a dtype, or the hook.
+    Each step this records ``underflow_fraction``, the fraction of entries
+    below the dtype's smallest normal (zeros included), and ``headroom_bits``,
+    ``log2(dtype max / max |g|)`` (``-inf`` after a non-finite step, ``+inf``
+    when every gradient is zero).
 
     Attributes:
-      dtype: the floating dtype judged against, of at most 32 bits
-        (default float16).
+      dtype: the floating dtype judged against, of at most 32 bits (float16).
       every: measure the first call and every ``every``-th after it (an int
-        >= 1; default 1: each), holding the last measurement between: the
-        second read of the gradients is paid on those steps only, inside a
-        ``lax.cond`` (both branches run under ``vmap`` with a batched state).
-        On XLA:CPU without donation that conditional holds the gradients:
-        temporaries as large as they are.
-
-    With the off switch (``jls.no_scale(skip_nonfinite=False)``) it makes
-    the step a checked one, no longer bitwise the plain optimizer's.
+        >= 1; default 1: each), holding the last measurement between.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls

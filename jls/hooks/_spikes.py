@@ -22,23 +22,18 @@ _ACTIONS = ("skip", "clip")
 class SpikeRule(Hook):
     """Skip a step whose gradient norm (or loss) spikes; hashable, validated.
 
-    As MaxText's ``skip_step_on_spikes`` and OLMo-core's skip-step optimizer,
-    on the norm the check computes anyway. A value ``x`` (the unscaled
-    gradients' global norm, or the ``loss=``) is a spike when ``x > limit =
-    mean + threshold * std`` of exponential moving averages over about
-    ``window`` applied steps, once ``warmup`` steps fed them. A spike is
-    skipped (counted in ``total_skips``; the scale does not back off) or, with
-    ``action="clip"``, applied scaled by ``limit / norm`` (ZClip, arXiv
-    2504.02507). Non-finite gradients are never a spike. ``patience`` spikes
-    in a row restart the statistics. ``docs/howto/spikes.md`` shows it at work.
+    A value ``x`` (the unscaled gradients' global norm, or the ``loss=``) is
+    a spike when ``x > limit = mean + threshold * std`` of exponential moving
+    averages over about ``window`` applied steps, once ``warmup`` steps fed
+    them. A spike is skipped (the scale does not back off) or, with
+    ``action="clip"``, applied scaled by ``limit / norm`` (ZClip).
+    ``docs/howto/spikes.md`` shows it at work.
 
     Attributes:
-      threshold: how many standard deviations above the mean make a spike;
-        ``> 0``. Default 6 (OLMo-core's).
+      threshold: standard deviations above the mean that make a spike; ``> 0``.
       warmup: applied steps before the rule acts, ``>= 2``.
       window: the statistics' horizon in steps, ``>= 1``.
-      watch: ``"norm"`` (default), ``"loss"`` or ``"both"``; the loss needs
-        ``loss=`` on every step (the replicas' mean is watched).
+      watch: ``"norm"`` (default), ``"loss"`` or ``"both"`` (needs ``loss=``).
       patience: spikes in a row after which the statistics restart, ``>= 1``.
       action: ``"skip"`` (default) drops a spike; ``"clip"`` applies it
         clipped to ``limit`` (needs ``watch="norm"``).
@@ -64,7 +59,6 @@ class SpikeRule(Hook):
         threshold = real("threshold", self.threshold)
         if not threshold > 0:
             raise ValueError(f"threshold must be > 0, got {threshold!r}")
-        # Compared in float32: 1e39 would be inf (no spike ever), 1e-45 zero.
         threshold = positive_f32("threshold", threshold)
         object.__setattr__(self, "threshold", threshold)
         object.__setattr__(self, "warmup", integer("warmup", self.warmup, 2))
@@ -116,8 +110,7 @@ class SpikeRule(Hook):
     def veto(self, state: Any, info: StepInfo) -> jax.Array:
         """Whether to skip this step: a spike (`is_spike`).
 
-        Clipping, only a spike float32 cannot clip (a norm past float32's
-        range, or ``limit / norm / scale`` below the smallest normal).
+        Clipping, only a spike float32 cannot clip.
         """
         spike = is_spike(self, state, info.norm, info.loss, info.finite)
         if not self.clips:
@@ -156,8 +149,7 @@ class SpikeRule(Hook):
 class SpikeState(NamedTuple):
     """The spike rule's statistics (``count``, norm and loss mean and variance).
 
-    ``spike``: the latest step was a spike; ``total_spikes``, and
-    ``consecutive_spikes`` (the statistics restart at ``patience``).
+    ``spike``: the latest step was a spike; ``total_spikes``, ``consecutive_spikes``.
     """
 
     count: jax.Array
@@ -200,11 +192,7 @@ def _restarted(state: SpikeState) -> SpikeState:
 
 
 def sanitized(state: SpikeState) -> SpikeState:
-    """``state``, or a fresh start of statistics that cannot be right.
-
-    A non-finite mean or variance, or a negative one or count (from a
-    checkpoint, say) would switch the rule off for good (``x > nan``).
-    """
+    """``state``, or a fresh start of statistics that cannot be right (nan, < 0)."""
     ok = state.count >= 0
     for x in (state.norm_mean, state.loss_mean):
         ok = ok & jnp.isfinite(x)
@@ -253,8 +241,7 @@ def is_spike(
 ) -> jax.Array:
     """Whether this step is a spike: an outlier once ``warmup`` steps fed the rule.
 
-    A non-finite norm is no spike (the check's business) unless the check
-    found the gradients ``finite``: the norm passed the float32 maximum.
+    A non-finite norm is a spike only where the gradients were ``finite``.
     """
     state = sanitized(state)
     spike = jnp.asarray(False)

@@ -1,11 +1,7 @@
 """Stagnation: the updates the parameters' own dtype rounds away.
 
 An entry is stuck when ``new + u`` rounds back to ``new`` in its dtype, as
-``optax.apply_updates`` rounds (``u`` the update, ``new`` the parameter it
-made): ``new == p`` exactly, except that a parameter that moved onto a power
-of two by less than half the spacing above it counts as stuck. The old
-parameter ``p`` is not read: reading it beside its in-place update makes XLA
-copy it. Which entries a step reads: `jls.hooks._blocks`.
+``optax.apply_updates`` rounds (the old parameter is not read).
 """
 
 from __future__ import annotations
@@ -71,12 +67,7 @@ def _blocks(
 
 
 def _agreed(rows: Any, named: tuple[str, ...]) -> tuple[Any, Any]:
-    """``(stuck, moving)`` over every replica and shard, float32 scalars.
-
-    ``rows``: the parameters' tree of rows. Each leaf's row is added over
-    the axes its leaf is sharded over (`jls._shards`): the same on every
-    device, so the state stays replicated.
-    """
+    """``(stuck, moving)`` of the tree of rows over every replica and shard."""
     if not jax.tree.leaves(rows):
         return jnp.float32(0), jnp.float32(0)
     varying = shard_axes(rows, named, "Stagnation")
@@ -89,24 +80,13 @@ def _agreed(rows: Any, named: tuple[str, ...]) -> tuple[Any, Any]:
 class Stagnation(Hook):
     """Records ``stagnant_fraction``: how much of the updates rounding loses.
 
-    A parameter kept in bfloat16 (or float16, or float32 at a tiny learning
-    rate) does not move when its update is below half of its last place;
-    nothing fails, the loss just stops falling. ``stagnant_fraction`` is,
-    of the entries whose update is nonzero, the fraction left unchanged in
-    their own dtype. Under `jls.precision.stochastic_rounding` or
-    `jls.precision.compensated` nothing is lost and it reads about 0.
-
-    Pass ``jls.loss_scaling(..., hooks=[jls.hooks.Stagnation()])`` (then
-    ``tx.update`` needs the parameters); read ``jls.metrics(...)``, or warn
-    with `jls.hooks.warn_if_stagnant`. The read is one reduction a leaf,
-    beside the update, with no conditional; XLA may then keep an update in
-    memory that it would fuse (``docs/howto/low_precision_params.md``).
+    ``stagnant_fraction`` is, of the entries whose update is nonzero, the
+    fraction left unchanged in their own dtype. ``tx.update`` then needs the
+    parameters (``docs/howto/low_precision_params.md``).
 
     Attributes:
       every: the cycle, in applied steps (an int >= 1; default 16): each
-        applied step reads one ``every``-th of each parameter's entries;
-        the fraction is reported when the cycle completes, held in between
-        (0 before the first). A skipped step reads nothing.
+        applied step reads one ``every``-th of each parameter's entries.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -138,10 +118,7 @@ class Stagnation(Hook):
         return True
 
     def read_updates(self, state: Any, new_params: Any, updates: Any) -> Any:
-        """Per leaf, ``[stuck, moving]`` (float32): this device's counts.
-
-        In the parameters' tree (``None`` where not floating or not updated).
-        """
+        """Per leaf, this device's ``[stuck, moving]`` (``None``: not read)."""
         leaves, treedef = jax.tree.flatten(new_params, is_leaf=lambda x: x is None)
         ups = treedef.flatten_up_to(updates)
         phase = state.phase % self.every  # a state from another cycle length
@@ -181,14 +158,11 @@ def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
     """Warns (`StagnationWarning`) when the updates are being rounded away.
 
     Reads `jls.hooks.Stagnation`'s ``stagnant_fraction`` on the host (a
-    sync point: call it where you log metrics) and warns, naming the
-    remedies, once it is at least ``threshold``: the run has mostly stopped
-    learning. (A bfloat16 run can lose half of Adam's updates and still
-    train well: the default is for the stall.)
+    sync point) and warns, naming the remedies, once it is at least
+    ``threshold``.
 
     Args:
-      opt_state: the optimizer state (batched under ``vmap``/``pmap`` too:
-        the largest member's fraction counts).
+      opt_state: the optimizer state (batched too: the largest member's).
       threshold: a float in ``(0, 1]`` (default 0.9).
 
     Returns:
@@ -211,9 +185,8 @@ def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
       >>> fraction, caught[0].category.__name__
       (1.0, 'StagnationWarning')
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-        raise ValueError(f"threshold must be a float in (0, 1], got {threshold!r}")
-    if not 0 < threshold <= 1:
+    number = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+    if not number or not 0 < threshold <= 1:
         raise ValueError(f"threshold must be a float in (0, 1], got {threshold!r}")
     found = hook_state(
         opt_state,

@@ -36,8 +36,7 @@ __all__ = [
     "stochastic_rounding",
 ]
 
-# What reads jaxprs (``jax.extend``) is imported when first reached, so
-# ``import jls`` and the optimizers above do without it.
+# What reads jaxprs (``jax.extend``) is imported when first reached.
 _INTERPRETING = {
     "autocast": "_autocast",
     "Policy": "_policy",

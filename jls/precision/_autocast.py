@@ -1,12 +1,7 @@
 """`autocast`: matmuls in half precision, the ops that need range in float32.
 
-Casting the arguments (jmp's way) runs the loss's log-softmax, exponentials
-and mean in float16 too, where its 11 bits and range of 65504 lose the
-result. `autocast` casts per op instead, as torch's ``autocast`` does: it
-traces the function once and runs the program again by
-`jls.precision._cast_eval`'s rules, nested programs included. A flax nnx
-Module argument is run on a merged copy of its state, and the state after
-the call written back (``nnx.update``), as calling ``fn`` would.
+Per op, as torch's ``autocast``: the function is traced once and its program
+run again by `jls.precision._cast_eval`'s rules.
 """
 
 from __future__ import annotations
@@ -47,13 +42,9 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
     """``fn`` with its matmuls in ``dtype`` and its range-sensitive ops in float32.
 
     Matmuls and convolutions compute in ``dtype``; softmax, ``exp``/``log``,
-    powers, sums and means (so cross-entropy and normalisation statistics)
-    in float32; every other op in its operands' dtype. What it widened stays
-    wide: a float16 program's sum is not cast back to float16 before the
-    ``log`` or ``sqrt`` that brings it into range, only where a dtype is
-    required (a matmul's operand, a result). The arguments are not cast, so
-    float32 parameters get float32 gradients. ``fn`` is traced when
-    its caller is: under ``jit`` a step compiles once.
+    powers, sums and means in float32, kept wide until a dtype is required;
+    every other op in its operands' dtype. The arguments are not cast, so
+    float32 parameters get float32 gradients.
 
     Args:
       fn: the function: a loss, a forward pass, a flax ``apply``.
@@ -93,8 +84,7 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
 def _autocast_call(fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
     traced = trace(fn, args, kwargs)
     outs = evaluate(traced.closed, traced.arrays, dtype)
-    # Each result in the dtype fn returns it in (a constant result comes back
-    # from the program as a Python scalar).
+    # Each result in the dtype fn returns it in (a constant, too).
     return traced.rebuild(
         x
         if isinstance(x, jax.Array) and x.dtype == v.aval.dtype

@@ -1,26 +1,12 @@
 """The interpreter behind `jls.precision.autocast`: a traced program run again.
 
 `evaluate` binds each primitive of a closed jaxpr again, its operands cast:
-
-- a matmul (`jls.precision._primitives.CAST`) gets its floating operands in
-  the compute dtype, and its output follows;
-- an op that needs range (`jls.precision._primitives.FLOAT32`: ``exp``,
-  ``log``, sums...) gets them in float32 at least;
-- any other op takes them as they come, promoted to the widest where they
-  now differ (weak values and inlined scalars take the others' dtype);
-- a value computed from a narrower one is held in the dtype it was computed
-  in: the program's cast of it back to that narrower dtype is not bound. jax
-  sums float16 as convert to float32, reduce, convert to float16; the sum
-  stays float32, so the ``log`` or ``sqrt`` after it brings it back into
-  range (a logsumexp, a norm, a cross-entropy) instead of reading ``inf``.
-  A value is narrowed only where its dtype is required: a matmul's operand
-  (the compute dtype), the function's outputs and a loop's carry (their
-  traced dtypes), an op that takes only its traced dtypes.
-
-Nested ``jit``, ``scan``, ``while_loop``, ``cond`` and ``checkpoint``
-programs run by the same rules, a loop's carry in its traced dtypes.
-``custom_jvp``/``custom_vjp``, ``shard_map``, callbacks and any op that
-refuses the new dtypes run as traced, on operands cast back.
+a matmul's (`jls.precision._primitives.CAST`) to the compute dtype, a
+range-sensitive op's (`jls.precision._primitives.FLOAT32`) to float32 at
+least, any other's promoted to the widest. A value computed wider is held
+wide (the program's cast back is not bound) until a dtype is required: a
+matmul's operand, an output, a loop's carry. Nested programs run by the same
+rules; ``custom_jvp``/``custom_vjp``, ``shard_map`` and callbacks as traced.
 """
 
 from __future__ import annotations
@@ -54,11 +40,9 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    # The narrowest floating width (bytes) each value was computed from: its
-    # own, traced or held, and its operands'.
+    # The narrowest floating width (bytes) each value was computed from.
     narrowest = {v: _width(v, x) for v, x in env.items()}
-    # Drop each value after its last use (an eager call holds no more than
-    # jax's own evaluation would).
+    # Drop each value after its last use, as jax's own evaluation does.
     last = {
         v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if not is_literal(v)
     }
@@ -140,8 +124,7 @@ def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
     out = list(invals)
     for members in groups.values():
         now = [_dtype(out[i], eqn.invars[i].aval) for i in members]
-        # A literal is a scalar the program inlined (``h * 2.0``): weak, as
-        # jax types a Python scalar, whatever dtype the trace gave it.
+        # A literal is a scalar the program inlined (``h * 2.0``): weak.
         weak = [_is_weak(eqn.invars[i]) for i in members]
         strong = [d for d, w in zip(now, weak, strict=True) if not w]
         target = jnp.result_type(*(strong or now))

@@ -1,10 +1,4 @@
-"""The collectives of a compiled program, with the dtype each sends.
-
-XLA's partitioner inserts collectives no jaxpr holds (under ``jax.jit`` over
-sharded arrays, a weight gradient summed in its dtype). The compiled text
-(``jax.stages.Compiled.as_text()``) is XLA's HLO, an instruction a line:
-``%name = f16[16,8]{1,0} all-reduce(%x), ..., metadata={op_name="..."}``.
-"""
+"""The collectives of a compiled program (its HLO text), with the dtype each sends."""
 
 from __future__ import annotations
 
@@ -28,9 +22,8 @@ def _dtype(hlo: str) -> str:
 def compiled_collectives(text: str) -> list[tuple[str, str, str]]:
     """``(kind, dtype, op_name)`` of each collective in HLO ``text``, in order.
 
-    One per dtype an instruction sends; an asynchronous pair once (its
-    ``-start``, less the integer scalars it carries as context). ``op_name``
-    is jax's op it came from (``transpose(jvp())``: a gradient), or ``"?"``.
+    One per dtype an instruction sends; an asynchronous pair once. ``op_name``
+    is jax's op it came from, or ``"?"``.
     """
     found = []
     for line in text.splitlines():

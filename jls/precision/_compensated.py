@@ -1,12 +1,8 @@
 """Low-precision parameters without a float32 copy: Kahan and stochastic rounding.
 
-In bfloat16 or float16 with no float32 master copy, ``p + u`` rounds back to
-``p`` once ``|u|`` is below half of ``p``'s last place. `compensated` keeps
-what the rounding lost and adds it to the next update (Kahan summation);
-`stochastic_rounding` rounds the new parameter up or down at random,
-unbiased. Both wrap any optimizer (inside or outside `jls.loss_scaling`) and
-return the update ``new - p`` in float32, which `optax.apply_updates` lands
-exactly on ``new``. ``docs/howto/low_precision_params.md`` compares them.
+Both wrap any optimizer (inside or outside `jls.loss_scaling`) and return the
+update ``new - p`` in float32, which `optax.apply_updates` lands exactly on
+``new``. ``docs/howto/low_precision_params.md`` compares them.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ class CompensatedState(NamedTuple):
 
     Attributes:
       inner_state: the wrapped optimizer's state.
-      compensation: per parameter, what it could not hold yet, in counts of
-        ``2**-16`` (int16) or ``2**-8`` (int8) of its last place.
+      compensation: per parameter, what it could not hold yet.
     """
 
     inner_state: Any
@@ -110,11 +105,8 @@ def _units(lost: Any, new: Any, dtype: Any, wide: Any, bits: int) -> Any:
 def _kahan(p: Any, u: Any, k: Any, buffer: Any) -> tuple[Any, Any]:
     """``(update, buffer)`` of one leaf: Kahan's sum in at least float32.
 
-    Finite sums saturate at the dtype's largest value, so the buffer never
-    carries a finite run to inf. A lost part past the buffer's largest count
-    (half a place) moves a parameter that stayed one place toward it. ``k``
-    may be a count of the other width or the lost part itself (an older
-    checkpoint's float buffer); the returned buffer is ``buffer``'s dtype.
+    Finite sums saturate at the dtype's largest value. ``k`` may be a count of
+    the other width or the lost part itself (an older checkpoint's float buffer).
     """
     if not _floating(p) or u is None:
         return u, k
@@ -132,8 +124,7 @@ def _kahan(p: Any, u: Any, k: Any, buffer: Any) -> tuple[Any, Any]:
     units = _units(
         y - (new.astype(wide) - p_wide), new.astype(wide), p.dtype, wide, bits
     )
-    # A parameter that stayed with the half (or more, saturated) to carry:
-    # one place toward it. (One that moved keeps the other half, clipped.)
+    # A parameter that stayed with half a place (or more) to carry: one place.
     toward = jnp.where(units > 0, jnp.inf, -jnp.inf).astype(p.dtype)
     after = jnp.nextafter(new, toward)
     carry = (jnp.abs(units) > top) & (new == p) & jnp.isfinite(after)
@@ -149,19 +140,13 @@ def compensated(
 ) -> optax.GradientTransformationExtraArgs:
     """Kahan-compensated parameter updates around ``inner``.
 
-    Each parameter keeps what ``p + u`` rounded away, and the next update
-    adds it back, so small updates accumulate instead of vanishing. The lost
-    part is at most half of the new parameter's last place, so it is stored
-    as an integer count of a fraction of that place: with int16, a bfloat16
-    parameter and its buffer hold float32's 24 bits at every step size, for
-    2 bytes. The update is ``new - p`` in float32, ``new`` being
-    ``p + u + compensation`` rounded to the parameter's dtype.
+    Each parameter keeps what ``p + u`` rounded away, as an integer count of a
+    fraction of its last place, and the next update adds it back (with int16,
+    a bfloat16 parameter and its buffer hold float32's 24 bits, for 2 bytes).
 
     Args:
-      inner: the optimizer whose updates are compensated (extra arguments
-        are forwarded).
-      buffer_dtype: ``"int16"`` (default; 2 bytes, 16 bits below the
-        parameter's last place) or ``"int8"`` (1 byte, 8 bits).
+      inner: the optimizer whose updates are compensated.
+      buffer_dtype: ``"int16"`` (default) or ``"int8"`` (8 bits, 1 byte).
 
     Returns:
       An optax transformation; its state is a ``CompensatedState``
@@ -214,9 +199,7 @@ def compensated(
 def round_stochastically(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """``x`` (float32) rounded to ``dtype``, up or down at random, unbiased.
 
-    ``x`` between ``lo`` and ``hi`` becomes ``hi`` with probability
-    ``(x - lo) / (hi - lo)``; finite values saturate at ``dtype``'s largest,
-    inf and nan pass through.
+    Finite values saturate at ``dtype``'s largest; inf and nan pass through.
     """
     near = x.astype(dtype)
     lo = jnp.where(near.astype(x.dtype) > x, jnp.nextafter(near, -jnp.inf), near)
@@ -249,11 +232,9 @@ def stochastic_rounding(
     """Stochastically rounded parameter updates around ``inner``.
 
     ``p + u`` is computed in float32 and rounded to the parameter's dtype up
-    or down at random, unbiased, so small updates move the parameter in
-    expectation instead of vanishing; the update is ``new - p`` in float32.
-    float32 and wider parameters take ``inner``'s update as it is. Each
-    step's key is ``fold_in(key(seed), count)``, or the ``key=`` passed to
-    ``update``; each leaf folds in its index, so replicas round alike.
+    or down at random, unbiased (float32 and wider parameters take ``inner``'s
+    update). Each step's key is ``fold_in(key(seed), count)``, or the ``key=``
+    passed to ``update``; each leaf folds in its index, so replicas round alike.
 
     Args:
       inner: the optimizer whose updated parameters are rounded.

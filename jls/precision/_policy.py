@@ -1,11 +1,7 @@
 """A mixed-precision casting policy, compatible with jmp's.
 
-`get_policy` parses ``jmp.get_policy``'s strings into a `Policy` with jmp's
-fields and methods, so a jmp user moves the policy to jls with the loss
-scale (`jls.presets.jmp`). Casting touches floating arrays only; every other
-leaf passes through as the same object. `Policy.wrap` casts per op
-(`jls.precision.autocast`); `Policy.cast_arguments` is jmp's argument
-casting. ``docs/howto/policy.md`` explains where the loss is computed.
+Casting touches floating arrays only; every other leaf passes through as the
+same object (``docs/howto/policy.md``).
 """
 
 from __future__ import annotations
@@ -76,9 +72,7 @@ def _cast_floating(tree: T, dtype: np.dtype) -> T:
         is_array = isinstance(x, (jax.Array, np.ndarray))
         if not (is_array and jnp.issubdtype(x.dtype, jnp.floating)):
             return x
-        # A weakly typed array is cast even to its own dtype, as jmp does
-        # (``astype`` makes it strong): ``cast_to_output(x) * f16`` is then
-        # float32, not float16.
+        # A weakly typed array is cast even to its own dtype (made strong), as jmp.
         weak = isinstance(x, jax.Array) and jax.typeof(x).weak_type
         return x.astype(dtype) if x.dtype != dtype or weak else x
 
@@ -134,9 +128,8 @@ class Policy:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` autocast to ``compute_dtype``, its results in ``output_dtype``.
 
-        Matmuls compute in ``compute_dtype``, softmax, ``exp``/``log`` and sums
-        (so the loss) in float32 (`jls.precision.autocast`). The arguments are
-        not cast, so the gradients stay in ``param_dtype``. Wrap the loss.
+        `jls.precision.autocast`: the arguments are not cast, so the gradients
+        stay in ``param_dtype``. Wrap the loss.
 
         Example:
           >>> import jax, jax.numpy as jnp, jls
@@ -158,9 +151,8 @@ class Policy:
     def cast_arguments(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` with its arguments cast to compute and its results to output.
 
-        jmp's way: every op inside runs in ``compute_dtype``, a loss's
-        softmax included; arrays ``fn`` makes or closes over keep their
-        dtype. Wrap a forward pass with it, not a loss.
+        jmp's way (a loss's softmax in ``compute_dtype`` too): wrap a forward
+        pass with it, not a loss.
 
         Example:
           >>> import jax.numpy as jnp, jls
@@ -190,8 +182,7 @@ def get_policy(policy: str) -> Policy:
 
     ``"p=f32,c=f16,o=f32"`` (or ``params=``, ``compute=``, ``output=``):
     parameters default to float32, compute follows them and output follows
-    compute; a bare dtype sets all three. ``half`` is bfloat16 on TPU, else
-    float16.
+    compute; a bare dtype sets all three.
 
     Raises:
       ValueError: for an unknown key or dtype name (the message names it).

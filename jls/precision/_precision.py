@@ -1,11 +1,7 @@
 """`precision_report`: which dtype each matmul of a function really runs in.
 
-A casting policy casts arguments only: arrays a model makes itself (a
-float32 carry, a ``one_hot``) or a model closed over silently promote the
-computation back to float32, and the loss looks normal. The report traces
-the function through every nested program and counts its matmuls
-(`jls.precision._primitives.MATMULS`), its range-sensitive ops and its
-collectives by dtype, with the source line of each.
+Arrays a model makes itself or closes over silently promote a cast
+computation back to float32; the report counts what really runs.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from jls.precision._collectives import compiled_collectives
 from jls.precision._interpret import is_literal, trace
 from jls.precision._primitives import COLLECTIVES, FLOAT32, MATMULS
 
-# Low-precision numerics worth knowing about (information, not errors): the
-# ops autocast would compute in float32, found in float16 or bfloat16.
+# Ops autocast would compute in float32, noted when found in float16 or bfloat16.
 _NOTED = FLOAT32
 _LOW = frozenset({"float16", "bfloat16"})
 # Frames inside these packages are not where a user's layer is written.
@@ -60,11 +55,8 @@ class PrecisionReport:
         (``softmax``, ``exp``, ``log``, ``reduce_sum``...: those
         `jls.precision.autocast` computes in float32).
       held: op -> dtype name -> count, for the same ops: the dtype each
-        result is held in, narrower than computed where every use of it is a
-        cast (jax sums float16 in float32 and holds the sum in float16).
-      collectives: every collective of the program (``psum``,
-        ``all_gather``...), one per dtype it sends; of a compiled one, XLA's
-        (``all-reduce``...), ``where`` the jax op each came from.
+        result is held in (narrower where every use of it is a cast).
+      collectives: every collective of the program, one per dtype it sends.
     """
 
     counts: dict[str, int]
@@ -248,8 +240,7 @@ def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
         softmax = name == "exp" and _after_reduce_max(eqn, producers)
         live = id(eqn) in alive
         if name in MATMULS:
-            # The operands' common dtype: jnp feeds dot_general a float16 and
-            # a float32 operand as they are, and it computes in float32.
+            # The operands' common dtype (a float16 and a float32: float32).
             operands = [v.aval.dtype for v in eqn.invars[:2]]
             dtype = np.dtype(jnp.promote_types(*operands)).name
             found.ops.append(Op(name, dtype, _where(eqn)))
@@ -261,14 +252,12 @@ def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
             found.info.append(Op(kind, dtype, _where(eqn)))
         counted = name in FLOAT32 and live and not in_softmax
         if counted and eqn.invars and _floating(eqn.invars[0]):
-            found.numerics[("softmax" if softmax else name, dtype)] += 1
-            found.held[
-                ("softmax" if softmax else name, _held(eqn.outvars[0], uses))
-            ] += 1
+            kind = "softmax" if softmax else name
+            found.numerics[(kind, dtype)] += 1
+            found.held[(kind, _held(eqn.outvars[0], uses))] += 1
         subs = [s for v in eqn.params.values() for s in _subjaxprs(v)]
         if name.startswith("custom_jvp") and subs and _is_softmax(subs[0]):
-            # A softmax with its own derivative: counted once, as a softmax;
-            # its matmuls count, its exp and sums are the softmax.
+            # A softmax with its own derivative: counted once, as a softmax.
             if dtype in _LOW:
                 found.info.append(Op("softmax", dtype, _where(eqn)))
             found.numerics[("softmax", dtype)] += 1
@@ -285,15 +274,10 @@ def precision_report(
 ) -> PrecisionReport:
     """Which dtype each matmul and convolution of ``fn(*args, **kwargs)`` runs in.
 
-    Traces ``fn`` (nothing is executed), equinox and flax ``nnx`` Modules
-    among its arguments included, and counts its matmuls by the dtype they
-    compute in, its range-sensitive ops (softmax, ``exp``, ``log``, sums)
-    and its collectives by dtype. Pass the model as an argument: a model
-    closed over is traced as constants, in whatever dtype it holds.
-
-    Of a compiled step (``jax.jit(step).lower(*args).compile()``) it lists
-    only the collectives, XLA partitioner's included (a float16 gradient
-    summed across devices: an ``all-reduce`` of ``float16``).
+    Traces ``fn`` (nothing is executed) and counts its matmuls, its
+    range-sensitive ops and its collectives by dtype. Pass the model as an
+    argument: a model closed over is traced as constants. Of a compiled step
+    it lists only the collectives, XLA partitioner's included.
 
     Args:
       fn: the function to trace: a forward pass, a loss, a whole train step;

@@ -1,21 +1,16 @@
 """Which jax primitives are matmuls, which need float32, which are collectives.
 
 `jls.precision.autocast` casts by these lists and
-`jls.precision.precision_report` counts by them. They hold names, so one
-absent from the installed jax costs nothing; ``tests/test_primitives.py``
-fails on any matmul-like or collective primitive of jax not named here.
+`jls.precision.precision_report` counts by them; they hold names, so one
+absent from the installed jax costs nothing.
 """
 
 from __future__ import annotations
 
-# The matmuls autocast computes in the compute dtype: their first two
-# operands are cast, and their output follows (torch autocast's float16 list:
-# matmul, linear, einsum, bmm, conv*).
+# The matmuls autocast computes in the compute dtype (torch autocast's list).
 CAST = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
-# Every matmul-like primitive, counted by `precision_report` by the dtype it
-# computes in: the cast ones, and the fused and block-scaled ones (cuDNN
-# attention, scaled matmuls) autocast leaves in the dtype they are called in.
+# Every matmul-like primitive `precision_report` counts, fused and scaled too.
 MATMULS = CAST | frozenset(
     {
         "scaled_dot",
@@ -32,14 +27,8 @@ MATMULS = CAST | frozenset(
     }
 )
 
-# The ops that need float32's range or precision, computed by autocast in
-# float32 (at least): torch autocast's float32 list (exp, log, pow, rsqrt,
-# sums, products, cumulative sums, the losses, softmax, log-softmax,
-# logsumexp, the norms) as the jax primitives those are made of. A softmax,
-# a log-softmax, a cross-entropy, a mean or a variance is made of these
-# (``exp``, ``log``, ``reduce_sum``, ``square``), so it lands in float32
-# however it is written; what follows stays float32 until a matmul casts
-# down.
+# The ops autocast computes in float32 (at least): torch autocast's float32
+# list as the jax primitives those are made of.
 FLOAT32 = frozenset(
     {
         "exp",
@@ -67,9 +56,7 @@ FLOAT32 = frozenset(
     }
 )
 
-# Primitives that move data between devices (shard_map, pmap): the report
-# lists each with the dtype it sends. jit's own collectives, which XLA adds
-# from shardings, are not in the traced program.
+# Primitives that move data between devices (shard_map, pmap).
 COLLECTIVES = frozenset(
     {
         "psum",

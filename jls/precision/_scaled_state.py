@@ -1,14 +1,8 @@
 """An optimizer's state in float16 without underflow: per-tensor scaled storage.
 
-Adaptive optimizers fail in float16 for range, not precision: Adam's second
-moment ``(1 - 0.999) * g**2`` is 0 for every ``|g|`` below about 0.0055, and
-``eps=1e-8`` is 0 (optax #1754). `scaled_state` stores each floating state
-array in float16 (or bfloat16) with its own float32 power-of-two scale, as
-optimi's PR #15 does, and runs the optimizer itself in float32. One scale
-spans float16's 29 binary orders of normal numbers: a second moment at
-2**-40 of its array's largest (a gradient at 2**-20 of the largest, after
-a spike in one row) would flush while its first moment survives, so such
-an array is stored as signed square roots, which need half the orders.
+Adaptive optimizers fail in float16 for range, not precision (Adam's second
+moment flushes to 0, optax #1754); an array too wide for one scale is stored
+as signed square roots, which need half the binary orders.
 """
 
 from __future__ import annotations
@@ -29,11 +23,9 @@ class ScaledState(NamedTuple):
 
     Attributes:
       inner_state: the wrapped optimizer's state, each floating array
-        stored narrow, divided by its scale (`ScaledState.decoded` reads it);
-        floating scalars in at least float32.
+        stored narrow (`ScaledState.decoded` reads it).
       scales: one float32 power of two per stored array, in leaf order;
-        negative where the array is stored as signed square roots (its
-        value is ``sign(r) * r**2`` for ``r = stored * |scale|``).
+        negative where the array is stored as signed square roots.
     """
 
     inner_state: Any
@@ -129,24 +121,17 @@ def scaled_state(
     """``inner`` with its state stored in ``dtype``, scaled per array, run in float32.
 
     Each floating array of ``inner``'s state is stored in ``dtype`` with one
-    float32 power-of-two scale that puts its largest entry a binary order
-    or two under the dtype's largest, so values down to about 2**-28 of that
-    entry keep full precision. An array whose smallest nonzero entry is
-    below that is stored as signed square roots: entries down to 2**-56 of
-    its largest, a gradient ratio of 2**-28 in a second moment, keep about
-    10 bits. The state costs ``dtype``'s 2 bytes per entry and 4 per array.
-    ``inner`` runs in float32 on the decoded state and upcast gradients and
-    parameters, so its ``eps`` and divisions are float32. Wrap
-    `jls.precision.stochastic_rounding` or `jls.precision.compensated`
-    around it and no float32 copy is left anywhere.
+    float32 power-of-two scale under the dtype's largest (or as signed square
+    roots where its entries span more orders). ``inner`` runs in float32 on
+    the decoded state; wrap `jls.precision.stochastic_rounding` or
+    `jls.precision.compensated` around it and no float32 copy is left.
 
     Args:
       inner: any optax optimizer (extra arguments are forwarded).
       dtype: the storage dtype, ``"float16"`` (default) or ``"bfloat16"``.
 
     Returns:
-      An optax transformation; its state is a `ScaledState`, its updates
-      float32.
+      An optax transformation; its state is a `ScaledState`.
 
     Raises:
       ValueError: for a ``dtype`` other than float16 or bfloat16.
@@ -161,9 +146,6 @@ def scaled_state(
       >>> updates, state = tx.update(zero, tx.init(p), p)
       >>> updates, state.inner_state[0].nu.dtype
       (Array([-0., -0., -0.], dtype=float32), dtype('float16'))
-
-    References:
-      optimi PR #15 (per-tensor scaled optimizer state in low precision).
     """
     inner = checked_inner(inner)
     given = dtype

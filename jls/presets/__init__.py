@@ -1,14 +1,8 @@
 """Presets: every peer framework's loss scaler, as configuration of jls's rule.
 
-Each preset takes the framework's own argument names and defaults; its scale
-trajectory is the framework's exactly while the framework stays sane (the
-semantics read from the frameworks' code where their prose disagrees). Where
-a framework breaks (its scale reaching 0 or inf), jls keeps the scale finite
-and positive; each docstring says where. Every preset also takes jls's
-``min_scale`` and ``max_scale``. Frameworks that keep a float64 scale
-(MindSpore, DeepSpeed, nnabla) match exactly for power-of-two factors.
-`to_state_dict` and `from_state_dict` carry a run to and from torch's,
-Paddle's and Megatron's checkpoints.
+Each preset takes the framework's own argument names and defaults, and its
+scale trajectory is the framework's exactly while the framework stays sane;
+where a framework's scale reaches 0 or inf, jls keeps it finite and positive.
 """
 
 from jls.presets._frameworks import mindspore, mindspore_fixed, nnabla, paddle, torch

@@ -1,8 +1,7 @@
 """What every preset shares: errors that name it and the framework's arguments.
 
-A preset validates its arguments under the framework's names, then builds
-the rule with `jls._dynamic.DynamicScale.named` or `jls._static.static_named`
-through its mapping of jls's field names to the framework's.
+A preset builds its rule through its mapping of jls's field names to the
+framework's.
 """
 
 from __future__ import annotations

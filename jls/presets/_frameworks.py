@@ -21,11 +21,9 @@ def torch(
 ) -> LossScaler:
     """PyTorch's ``torch.amp.GradScaler``.
 
-    torch has no floor: repeated overflows take its scale to 0, where it stays;
-    and it checks the *scaled* gradients, so below 2**-128 it applies steps
-    whose unscaled gradients overflow. jls stops at ``min_scale`` (default
-    2**-126) and checks the unscaled gradients. ``enabled=False`` is torch's
-    pass-through, ``jls.no_scale(skip_nonfinite=False)``.
+    torch has no floor (its scale can reach 0) and checks the *scaled*
+    gradients; jls stops at ``min_scale`` and checks the unscaled ones.
+    ``enabled=False`` is ``jls.no_scale(skip_nonfinite=False)``.
 
     Example:
       >>> import jls
@@ -64,16 +62,11 @@ def paddle(
 ) -> LossScaler:
     """Paddle's ``paddle.amp.GradScaler`` (and the older ``AmpScaler``).
 
-    The defaults are current ``GradScaler``'s (``AmpScaler`` used
-    ``init_loss_scaling=2**15``, ``incr_every_n_steps=1000``, and documents
-    ``decr_every_n_nan_or_inf=2`` against its signature's 1: pass yours).
-
-    The dygraph scaler has no floor and no growth guard, so its scale can reach
-    0 or inf and stay; jls keeps it in ``[min_scale, max_scale]`` (the static
-    ``update_loss_scaling`` op floors at 1: pass ``min_scale=1``).
+    The defaults are current ``GradScaler``'s (``AmpScaler``'s differ: pass
+    yours). Its scale can reach 0 or inf; jls keeps it in ``[min_scale,
+    max_scale]`` (the static ``update_loss_scaling`` op floors at 1).
     ``use_dynamic_loss_scaling=False`` is a fixed scale that still skips
-    non-finite steps, as Paddle's ``minimize`` does; ``enable=False`` is a
-    pass-through.
+    non-finite steps; ``enable=False`` is a pass-through.
 
     Example:
       >>> import jls
@@ -119,13 +112,10 @@ def mindspore(
 ) -> LossScaler:
     """MindSpore's ``DynamicLossScaleManager``.
 
-    As its code does (its docstring says "per scale_window"), every overflow
-    divides the scale by ``scale_factor``, never below 1, and the scale grows
-    every ``scale_window`` consecutive finite steps; overflow steps are
-    dropped. Its growth is unguarded (the scale reaches inf); jls stops at
-    ``max_scale``. MindSpore raises after 1000 consecutive overflows: for that,
-    pass ``max_consecutive_skips=1001`` to `jls.loss_scaling` and call
-    `jls.hooks.raise_if_diverged`.
+    As its code does, every overflow divides the scale by ``scale_factor``,
+    never below 1; jls stops growth at ``max_scale``. MindSpore raises after
+    1000 consecutive overflows: pass ``max_consecutive_skips=1001`` to
+    `jls.loss_scaling` and call `jls.hooks.raise_if_diverged`.
 
     Example:
       >>> import jls
@@ -182,12 +172,9 @@ def nnabla(
 ) -> LossScaler:
     """The nnabla ``DynamicLossScalingUpdater``.
 
-    Its ``update`` grows ``if counter > N`` before incrementing the counter:
-    the first growth comes on the ``N + 2``-th consecutive finite step, later
-    ones every ``N + 1`` (its docstring says "every N iterations"). nnabla
-    recomputes an overflowed step with the backed-off scale instead of skipping
-    it, with the same scales. It has no floor (the scale can reach 0); jls
-    stops at ``min_scale``.
+    The first growth comes on the ``N + 2``-th consecutive finite step, later
+    ones every ``N + 1``, as its code does. It has no floor; jls stops at
+    ``min_scale``.
 
     Example:
       >>> import jls

@@ -19,11 +19,9 @@ def jmp(
 ) -> LossScaler:
     """The jmp ``DynamicLossScale`` (``loss_scale`` is required, as in jmp).
 
-    ``counter`` resumes a run. jmp's ``tree_flatten`` drops ``min_loss_scale``,
-    so under ``jit`` its floor silently becomes 1.0; jls honours the floor you
-    pass. jmp's ``x / factor`` compiles to ``x * (1 / factor)``, one float32 ulp
-    off for a factor that is not a power of two; jls divides exactly. With
-    power-of-two factors the two are bitwise equal (``tests/test_live_peers.py``).
+    ``counter`` resumes a run. Under ``jit`` jmp's floor becomes 1.0 and its
+    division by a factor that is not a power of two is one ulp off; jls
+    honours the floor and divides exactly.
 
     Example:
       >>> import jls
@@ -63,10 +61,8 @@ def flax(
 ) -> LossScaler:
     """The flax ``flax.training.dynamic_scale.DynamicScale``.
 
-    flax grows when ``fin_steps == growth_interval`` *before* the step, so
-    here ``growth_interval + 1``; a growth past the float32 maximum lands on it.
-    With ``minimum_scale=None`` flax's scale can reach 0; jls stops at the
-    smallest normal float32.
+    flax grows *before* the step, so here ``growth_interval + 1``. With
+    ``minimum_scale=None`` jls stops at the smallest normal float32.
 
     Example:
       >>> import jls

@@ -17,11 +17,8 @@ def keras(
 ) -> LossScaler:
     """Keras 3's ``keras.optimizers.LossScaleOptimizer``.
 
-    Keras has no floor and no growth guard, so its scale can reach 0 (then 0/0
-    writes nan into the weights) or inf (every step skipped forever); jls keeps
-    it in ``[min_scale, max_scale]``. Keras checks the *scaled* gradients, so
-    below scale 1 it applies a step whose unscaled gradients overflow; jls
-    skips it (``tests/test_live_peers.py``).
+    Keras's scale can reach 0 or inf, and it checks the *scaled* gradients;
+    jls keeps the scale in ``[min_scale, max_scale]`` and checks the unscaled.
 
     Example:
       >>> import jls

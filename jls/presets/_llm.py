@@ -20,10 +20,8 @@ def megatron(
 ) -> LossScaler:
     """Megatron-LM's ``DynamicGradScaler``.
 
-    Megatron's class has no defaults; these are its training arguments'
-    (``--initial-loss-scale 2**32``, ``--min-loss-scale 1``,
-    ``--loss-scale-window 1000``, ``--hysteresis 2``). Its growth is unguarded
-    (the scale can reach inf); jls stops at ``max_scale``.
+    The defaults are Megatron's training arguments'; jls stops growth at
+    ``max_scale``.
 
     Example:
       >>> import jls
@@ -62,13 +60,10 @@ def deepspeed(
 ) -> LossScaler:
     """DeepSpeed's ``DynamicLossScaler`` (and its fp16 config block).
 
-    ``init_scale`` or ``initial_scale_power``, ``delayed_shift`` or
-    ``hysteresis``: the class's or the config's names. The first growth after
-    the start or an overflow comes on the ``scale_window + 1``-th finite step.
-    DeepSpeed's growth is unguarded (its scale can reach inf); jls stops at
-    ``max_scale``. ``raise_error_at_min_scale`` is validated, otherwise unused:
-    to stop the run, pass ``max_consecutive_skips`` to `jls.loss_scaling` and
-    use `jls.hooks.raise_if_diverged`.
+    The class's or the config's names. The first growth after the start or an
+    overflow comes on the ``scale_window + 1``-th finite step; jls stops growth
+    at ``max_scale``. ``raise_error_at_min_scale`` is validated, otherwise
+    unused (see `jls.hooks.raise_if_diverged`).
 
     Example:
       >>> import jls

@@ -1,8 +1,6 @@
 """State interchange: a run's scale and counters to and from torch, Paddle, Megatron.
 
-One pair of functions, since the three checkpoints differ only in their keys:
-each is a row of `_FORMATS`. Pair them with `jls.set_loss_scale` to put the
-state into an optimizer state.
+The three checkpoints differ only in their keys: each is a row of `_FORMATS`.
 """
 
 from __future__ import annotations
@@ -112,11 +110,7 @@ def _check_exportable(scaler: LossScaler) -> DynamicScale:
 
 
 def _same_rule(scaler: DynamicScale, fmt: _Format) -> None:
-    """Refuses ``scaler`` unless the dict reads back as the same rule.
-
-    Every field but the first scale and growth count (the dict carries the
-    current ones) must match, so that the round trip is exact.
-    """
+    """Refuses ``scaler`` unless the dict reads back as the same rule."""
     try:
         other = fmt.preset(**{a: getattr(scaler, f) for a, f in fmt.args.items()})
     except (TypeError, ValueError) as err:
@@ -179,16 +173,12 @@ def to_state_dict(
     """The loss scaler's ``state_dict()`` that ``framework`` would write.
 
     Args:
-      scaler: the run's scaler, a dynamic rule the framework's dict can hold
-        (torch has no hysteresis, ...); anything else is refused, naming it.
+      scaler: the run's scaler, a dynamic rule the framework's dict can hold.
       opt_state: an optimizer state containing the run's `LossScaleState`,
         or the `LossScaleState`.
-      framework: ``"torch"`` (``torch.amp.GradScaler``'s keys as Python
-        numbers), ``"paddle"`` (``paddle.amp.GradScaler``'s, ``scale`` a
-        float32 array of shape ``[1]``) or ``"megatron"``
-        (``DynamicGradScaler``'s ``scale``, ``growth_tracker``,
-        ``hysteresis_tracker``; Megatron's config is in its arguments). A
-        disabled torch or Paddle scaler writes ``{}``, as theirs do.
+      framework: ``"torch"``, ``"paddle"`` (``scale`` a float32 array of shape
+        ``[1]``) or ``"megatron"`` (no config: it is in Megatron's arguments).
+        A disabled torch or Paddle scaler writes ``{}``, as theirs do.
 
     Returns:
       The dict, ready for the framework's ``load_state_dict``.
@@ -229,8 +219,7 @@ def from_state_dict(
       ``(scaler, state)``: the dict's scale, config and counters.
 
     Raises:
-      ValueError: for another ``framework``, or a dict the framework would
-        not write (a counter past its interval, a non-finite scale).
+      ValueError: for another ``framework``, or a dict it would not write.
 
     Example:
       >>> import jls
