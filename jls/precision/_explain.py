@@ -1,0 +1,283 @@
+"""`explain_step`: where a step overflowed, its op, line, layer and pass.
+
+The step's forward and backward are traced apart (``jax.vjp``: the forward
+program, then the pullback's), and both run again under one ``jit`` through
+an interpreter that reduces every floating value an op makes to a few
+numbers: its largest finite ``|x|``, how many of its entries are not finite,
+the same of what went in, and how many nonzero operands it flushed to zero.
+On the host these name the first op, in program order, that made a value
+non-finite from finite operands, and the ops nearest their dtype's maximum.
+Nothing of this runs unless called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jls._loss_scaling import metrics
+from jls.precision._interpret import is_array, trace
+from jls.precision._observe import BACKWARD, MOVES, observe
+
+keystr = jax.tree_util.keystr
+
+
+class Op(NamedTuple):
+    """One op's values, as the explanation saw them.
+
+    Attributes:
+      pass_: ``"forward"`` or ``"backward"``.
+      primitive: the jax primitive (``exp``, ``dot_general``...).
+      where: ``file:line`` of the user's code that made it.
+      layer: the layer path: the name stack (flax linen and equinox module
+        names, ``jax.named_scope``), else the calls from the loss function
+        down (``loss/Block/LayerNorm``).
+      dtype: the dtype of its value.
+      inputs: the shapes and dtypes of its floating operands.
+      in_max, in_nonfinite: the operands' largest finite ``|x|`` and their
+        count of inf and nan entries (inside a loop: over all iterations).
+      out_max, out_nonfinite: the same of its value.
+      flushed: nonzero operands it turned into zero (``mul``, ``div``,
+        casts): an underflow.
+      iteration: inside a ``scan`` or ``while``, the (outermost loop's)
+        iteration where it first made a non-finite value; else ``None``.
+    """
+
+    pass_: str
+    primitive: str
+    where: str
+    layer: str
+    dtype: str
+    inputs: str
+    in_max: float
+    in_nonfinite: int
+    out_max: float
+    out_nonfinite: int
+    flushed: int = 0
+    iteration: int | None = None
+
+    @property
+    def headroom(self) -> float:
+        """``dtype max / largest |value|``: how far its value is from overflow."""
+        return float(jnp.finfo(self.dtype).max) / max(self.out_max, 1e-300)
+
+    def __str__(self) -> str:
+        loop = "" if self.iteration is None else f" (loop iteration {self.iteration})"
+        return (
+            f"{self.pass_} {self.primitive} -> {self.dtype} at {self.where}{loop}\n"
+            f"  layer: {self.layer or '?'}\n"
+            f"  in:  {self.inputs}: max|x| {self.in_max:.4g}, "
+            f"{self.in_nonfinite} non-finite\n"
+            f"  out: max|x| {self.out_max:.4g}, {self.out_nonfinite} non-finite"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What `explain_step` found; ``str(report)`` is a short text report.
+
+    Attributes:
+      scale: the loss scale the step ran with.
+      loss: the unscaled loss.
+      grads_finite: whether every scaled gradient was finite (the step
+        would be applied).
+      first: the first op, in program order, whose value left its dtype's
+        range (inf or nan) while its operands were finite; ``None`` if none.
+      nonfinite_args: the paths of argument leaves already not finite (a
+        corrupted state: no op is to blame then).
+      least_headroom: the ops whose values came nearest their dtype's
+        maximum, nearest first: those that overflow next as the scale grows
+        (a backward value grows with the scale).
+      first_flush: the first op that flushed nonzero operands to zero.
+    """
+
+    scale: float
+    loss: float
+    grads_finite: bool
+    nonfinite_args: tuple[str, ...]
+    first: Op | None
+    least_headroom: tuple[Op, ...]
+    first_flush: Op | None = None
+
+    def __str__(self) -> str:
+        ok = "finite" if self.grads_finite else "NOT finite (the step is skipped)"
+        rows = [
+            f"step at loss scale {self.scale:g}: loss {self.loss:.6g}, gradients {ok}"
+        ]
+        if self.nonfinite_args:
+            rows.append("non-finite before any op, in the arguments:")
+            rows += [f"  {p}" for p in self.nonfinite_args]
+        if self.first is not None:
+            rows += ["first op to overflow (inf/nan from finite operands):"]
+            rows += ["  " + r for r in str(self.first).splitlines()]
+        elif not self.nonfinite_args:
+            rows.append("no op overflowed")
+        if self.first_flush is not None:
+            f = self.first_flush
+            rows.append(
+                f"first underflow: {f.pass_} {f.primitive} -> {f.dtype} at "
+                f"{f.where} flushed {f.flushed} nonzero values to zero"
+            )
+        rows.append(
+            "least headroom (dtype max / max|value|; backward grows with scale):"
+        )
+        rows += [
+            f"  {op.headroom:>9.3g}x  {op.pass_:<8} {op.primitive:<20} {op.dtype:<8} "
+            f"{op.where}  {op.layer}"
+            for op in self.least_headroom
+        ]
+        return "\n".join(rows)
+
+    def _repr_markdown_(self) -> str:
+        return f"```text\n{self}\n```"
+
+
+def _scale_of(state: Any) -> np.float32:
+    """The scale a state holds (`jls.metrics`' ``loss_scale``), or a number's."""
+    if isinstance(state, (int, float, np.generic, np.ndarray, jax.Array)):
+        return np.float32(state)
+    return np.float32(np.ravel(metrics(state)["loss_scale"])[0])
+
+
+def _step(loss_fn: Callable, nums: set, has_aux: bool) -> Callable:
+    """``(scale, *args, **kwargs) -> (loss, gradients)``, the backward named."""
+
+    def step(scale: Any, *args: Any, **kwargs: Any) -> tuple:
+        flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [x for _, x in flat]
+        diff = [
+            i
+            for i, (p, x) in enumerate(flat)
+            if p[0].idx == 0 and p[1].idx in nums and _floating(x)
+        ]
+
+        def scaled(d: list) -> tuple:
+            for i, x in zip(diff, d, strict=True):
+                leaves[i] = x
+            a, k = jax.tree.unflatten(treedef, leaves)
+            loss = jnp.asarray(loss_fn(*a, **k)[0] if has_aux else loss_fn(*a, **k))
+            wide = jnp.promote_types(loss.dtype, jnp.float32)  # as jls.scale_loss
+            return loss.astype(wide) * scale.astype(wide), loss
+
+        out, pullback, loss = jax.vjp(scaled, [leaves[i] for i in diff], has_aux=True)
+        with jax.named_scope(BACKWARD):
+            return loss, pullback(jnp.ones((), out.dtype))[0]
+
+    return step
+
+
+def _floating(x: Any) -> bool:
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def explain_step(
+    loss_fn: Callable[..., Any],
+    opt_state: Any,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    top: int = 5,
+    **kwargs: Any,
+) -> StepReport:
+    """Runs a step's forward and backward again and says where it overflowed.
+
+    ``loss_fn(*args, **kwargs)`` is differentiated with respect to
+    ``args[argnums]``'s floating arrays, its loss scaled as `jls.scale_loss`
+    scales it; every op of the forward and the backward (nested ``jit``,
+    ``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``while_loop``
+    and ``cond`` included) is checked for values out of its dtype's range
+    under one ``jit``. A ``scan`` or ``while_loop``'s ops are checked at every
+    iteration (their figures are over all iterations). ``shard_map`` and
+    ``pmap`` run as one op: call it on one device's shard of the per-device
+    function instead. Nothing runs on a normal step: the cost is paid here.
+
+    Args:
+      loss_fn: the unscaled loss, as the step differentiates it (nnx and
+        equinox modules among its arguments).
+      opt_state: the state the step ran with: an optimizer state containing
+        a `jls.LossScaleState` (its scale, as `jls.metrics` reads it), or the
+        scale itself. A skipped step has backed the scale off already: pass
+        the state before the step, or its scale.
+      *args: the step's arguments.
+      argnums: which arguments the gradients are taken of.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      top: how many ops the least-headroom table lists.
+      **kwargs: keyword arguments of ``loss_fn``.
+
+    Returns:
+      A `StepReport`: the first op that overflowed (pass, primitive, line,
+      layer, dtype, what went in), the ops nearest overflow, and the
+      arguments already not finite.
+
+    Example:
+      >>> import jax.numpy as jnp, jls
+      >>> loss = lambda w, x: jnp.sum(jnp.exp(x * w))
+      >>> w, x = jnp.ones(3, jnp.float16), jnp.array([1.0, 5.0, 12.0], jnp.float16)
+      >>> report = jls.precision.explain_step(loss, 1.0, w, x)
+      >>> report.first.pass_, report.first.primitive, report.first.dtype
+      ('forward', 'exp', 'float16')
+    """
+    nums = {argnums} if isinstance(argnums, int) else set(argnums)
+    scale = _scale_of(opt_state)
+    traced = trace(_step(loss_fn, nums, has_aux), (scale, *args), kwargs)
+    sites: list = []
+
+    @jax.jit
+    def run(arrays: list) -> tuple:
+        (loss, *grads), sites[:], rows = observe(traced.closed, arrays)
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads] or [True]))
+        finite = [jnp.all(jnp.isfinite(x)) if _floating(x) else True for x in arrays]
+        return loss, ok, jnp.stack(finite), rows
+
+    loss, ok, finite, rows = jax.device_get(run(traced.arrays))
+    flat = jax.tree_util.tree_flatten_with_path(((scale, *args), kwargs))[0]
+    paths = [p for p, x in flat if is_array(x)]
+    bad = tuple(
+        f"args[{p[1].idx - 1}]{keystr(p[2:])}"
+        if p[0].idx == 0
+        else f"kwargs{keystr(p[1:])}"
+        for p, f in zip(paths, finite, strict=True)
+        if not f
+    )
+    return _report(sites, rows, float(scale), float(loss), bool(ok), bad, top)
+
+
+def _report(sites: list, stats: np.ndarray, *head: Any) -> StepReport:
+    """The first op that made a non-finite value, the first flush, the least headroom.
+
+    The first in program order; in a loop, by its iteration, then as written.
+    """
+    *head, top = head
+    ops, keys, starts = [], [], {}
+    for k, (site, st) in enumerate(zip(sites, stats, strict=True)):
+        made, loop = st[5] < np.inf, site.in_loop is not None
+        it = int(st[5]) if loop and made else None
+        ops.append(
+            Op(
+                *site[:6],
+                float(st[2]),
+                int(st[3]),
+                float(st[0]),
+                int(st[1]),
+                int(st[4]),
+                it,
+            )
+        )
+        if made:  # a loop's ops are ordered by iteration, then as written
+            start = starts.setdefault(site.in_loop, k) if loop else k
+            keys.append((start, it or 0, k))
+        elif loop:
+            starts.setdefault(site.in_loop, k)
+    first = ops[min(keys)[2]] if keys else None
+    flush = next((op for op in ops if op.flushed), None)
+    near: dict = {}
+    for op in sorted(ops, key=lambda op: op.headroom):
+        moves = op.primitive in MOVES and op.primitive != "convert_element_type"
+        if op.out_max > 0 and not moves:
+            near.setdefault((op.pass_, op.where, op.primitive), op)
+    return StepReport(*head, first, tuple(near.values())[:top], flush)
