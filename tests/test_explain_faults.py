@@ -76,11 +76,11 @@ def test_the_least_headroom_names_what_overflows_next_as_the_scale_grows():
         "add_any",
         2.0**14,
     )
-    assert nearest.layer.endswith("block1") and nearest.headroom == 65504 / 2**14
+    assert nearest.layer.startswith("block1 ") and nearest.headroom == 65504 / 2**14
     high = jls.precision.explain_step(plant.loss, 2.0**9, *plant.args).first
     assert high is not None and (high.pass_, high.primitive, high.where) == (
         "backward",
         "add_any",
         nearest.where,
     )
-    assert high.layer.endswith("block1")
+    assert high.layer.startswith("block1 ")

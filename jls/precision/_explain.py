@@ -1,18 +1,19 @@
 """`explain_step`: where a step overflowed, its op, line, layer and pass.
 
-The step's forward and backward are traced apart (``jax.vjp``: the forward
-program, then the pullback's), and both run again under one ``jit`` through
-an interpreter that reduces every floating value an op makes to a few
-numbers: its largest finite ``|x|``, how many of its entries are not finite,
-the same of what went in, and how many nonzero operands it flushed to zero.
-On the host these name the first op, in program order, that made a value
-non-finite from finite operands, and the ops nearest their dtype's maximum.
-Nothing of this runs unless called.
+The step's forward and backward are traced as one program (``jax.vjp``, the
+pullback under the name scope `jls.precision._observe.BACKWARD`) and run
+again under one ``jit`` by `jls.precision._observe.observe`, which measures
+every floating value an op makes. On the host the measures name the first
+op, in program order, that made a value non-finite from finite operands, and
+the ops nearest their dtype's maximum. Nothing of this runs unless called.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -22,9 +23,13 @@ import numpy as np
 
 from jls._loss_scaling import metrics
 from jls.precision._interpret import is_array, trace
-from jls.precision._observe import BACKWARD, MOVES, observe
+from jls.precision._observe import BACKWARD, MOVES, Record, observe
 
 keystr = jax.tree_util.keystr
+
+_WRAPPER = re.compile(r"^(?:transpose|jvp|vmap|pmap|remat|checkpoint|pjit)\((.*)\)$")
+_LIBRARIES = ("flax", "equinox", "optax", "haiku", "jax", "jaxlib")
+_JLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class Op(NamedTuple):
@@ -39,9 +44,9 @@ class Op(NamedTuple):
         down (``loss/Block/LayerNorm``).
       dtype: the dtype of its value.
       inputs: the shapes and dtypes of its floating operands.
-      in_max, in_nonfinite: the operands' largest finite ``|x|`` and their
-        count of inf and nan entries (inside a loop: over all iterations).
-      out_max, out_nonfinite: the same of its value.
+      in_max: the operands' largest ``|x|``: inf or nan if an entry is
+        (inside a loop: over all iterations).
+      out_max: the same of its value.
       flushed: nonzero operands it turned into zero (``mul``, ``div``,
         casts): an underflow.
       iteration: inside a ``scan`` or ``while``, the (outermost loop's)
@@ -55,25 +60,26 @@ class Op(NamedTuple):
     dtype: str
     inputs: str
     in_max: float
-    in_nonfinite: int
     out_max: float
-    out_nonfinite: int
     flushed: int = 0
     iteration: int | None = None
 
     @property
     def headroom(self) -> float:
         """``dtype max / largest |value|``: how far its value is from overflow."""
-        return float(jnp.finfo(self.dtype).max) / max(self.out_max, 1e-300)
+        return (
+            float(jnp.finfo(self.dtype).max) / self.out_max
+            if self.out_max
+            else math.inf
+        )
 
     def __str__(self) -> str:
         loop = "" if self.iteration is None else f" (loop iteration {self.iteration})"
         return (
             f"{self.pass_} {self.primitive} -> {self.dtype} at {self.where}{loop}\n"
             f"  layer: {self.layer or '?'}\n"
-            f"  in:  {self.inputs}: max|x| {self.in_max:.4g}, "
-            f"{self.in_nonfinite} non-finite\n"
-            f"  out: max|x| {self.out_max:.4g}, {self.out_nonfinite} non-finite"
+            f"  in:  {self.inputs}: max|x| {self.in_max:.4g}\n"
+            f"  out: max|x| {self.out_max:.4g}"
         )
 
 
@@ -229,12 +235,12 @@ def explain_step(
 
     @jax.jit
     def run(arrays: list) -> tuple:
-        (loss, *grads), sites[:], rows = observe(traced.closed, arrays)
+        (loss, *grads), sites[:], record = observe(traced.closed, arrays)
         ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads] or [True]))
         finite = [jnp.all(jnp.isfinite(x)) if _floating(x) else True for x in arrays]
-        return loss, ok, jnp.stack(finite), rows
+        return loss, ok, jnp.stack(finite), record
 
-    loss, ok, finite, rows = jax.device_get(run(traced.arrays))
+    loss, ok, finite, record = jax.device_get(run(traced.arrays))
     flat = jax.tree_util.tree_flatten_with_path(((scale, *args), kwargs))[0]
     paths = [p for p, x in flat if is_array(x)]
     bad = tuple(
@@ -244,40 +250,78 @@ def explain_step(
         for p, f in zip(paths, finite, strict=True)
         if not f
     )
-    return _report(sites, rows, float(scale), float(loss), bool(ok), bad, top)
+    return _report(sites, record, float(scale), float(loss), bool(ok), bad, top)
 
 
-def _report(sites: list, stats: np.ndarray, *head: Any) -> StepReport:
+def _source(names: str, info: Any) -> tuple[str, str]:
+    """``file:line`` and the layer: ``names in calls``.
+
+    The line is the innermost of the user's own frames (else of a model
+    library's). The names are the name stack's (flax linen and equinox
+    modules, ``jax.named_scope`` s), the calls the user's frames from the
+    loss down (and the model library's without a name stack: flax nnx).
+    """
+    parts = []
+    for part in names.split("/"):
+        while (m := _WRAPPER.match(part)) is not None:
+            part = m.group(1)
+        if part not in ("", BACKWARD, *parts[-1:]):
+            parts.append(part)
+    calls, where, fallback = [], None, None
+    for frame in getattr(info.traceback, "frames", ()):
+        if frame.file_name.startswith(_JLS):
+            break  # explain_step's own frames: the loss function is above
+        tail = frame.file_name.replace("\\", "/").rpartition("/site-packages/")[2]
+        library = tail.split("/")[0] in _LIBRARIES
+        place = f"{os.path.basename(frame.file_name)}:{frame.line_num}"
+        if tail.split("/")[0] in ("jax", "jaxlib") or "/jax/_src/" in tail:
+            continue
+        fallback = fallback or place
+        where = where or (None if library else place)
+        if not (parts and library) and frame.function_name[0] != "<":
+            calls.append(frame.function_name.removesuffix(".__call__"))
+    chain = [c.replace(".<locals>.", ".") for c in reversed(calls)]
+    layer = " in ".join(p for p in ("/".join(parts), " > ".join(chain)) if p)
+    return where or fallback or "jls.scale_loss", layer
+
+
+def _report(sites: list, record: Record, *head: Any) -> StepReport:
     """The first op that made a non-finite value, the first flush, the least headroom.
 
     The first in program order; in a loop, by its iteration, then as written.
     """
     *head, top = head
     ops, keys, starts = [], [], {}
-    for k, (site, st) in enumerate(zip(sites, stats, strict=True)):
-        made, loop = st[5] < np.inf, site.in_loop is not None
-        it = int(st[5]) if loop and made else None
+    for k, s in enumerate(sites):
+        out_max = float(np.max(record.top[list(s.outs)]))
+        in_max = float(np.max(record.top[list(s.ins)], initial=0.0))
+        flushed = 0 if s.flush is None else int(record.flush[s.flush])
+        made = not math.isfinite(out_max) and math.isfinite(in_max)
+        if s.made is not None:  # in a loop: the iteration it first made one
+            made = bool(record.made[s.made] < np.inf)
+        it = int(record.made[s.made]) if made and s.made is not None else None
+        where, layer = _source(s.names, s.source)
         ops.append(
             Op(
-                *site[:6],
-                float(st[2]),
-                int(st[3]),
-                float(st[0]),
-                int(st[1]),
-                int(st[4]),
+                s.pass_,
+                s.primitive,
+                where,
+                layer,
+                *s[4:6],
+                in_max,
+                out_max,
+                flushed,
                 it,
             )
         )
+        start = starts.setdefault(s.in_loop, k) if s.in_loop is not None else k
         if made:  # a loop's ops are ordered by iteration, then as written
-            start = starts.setdefault(site.in_loop, k) if loop else k
             keys.append((start, it or 0, k))
-        elif loop:
-            starts.setdefault(site.in_loop, k)
     first = ops[min(keys)[2]] if keys else None
     flush = next((op for op in ops if op.flushed), None)
     near: dict = {}
     for op in sorted(ops, key=lambda op: op.headroom):
         moves = op.primitive in MOVES and op.primitive != "convert_element_type"
-        if op.out_max > 0 and not moves:
+        if 0 < op.out_max < math.inf and not moves:
             near.setdefault((op.pass_, op.where, op.primitive), op)
     return StepReport(*head, first, tuple(near.values())[:top], flush)
