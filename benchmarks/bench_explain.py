@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import jls
-from jls.precision._explain import _scale_of, _step
+from jls.precision._explain import _QUICK, _scale_of, _step
 from jls.precision._interpret import trace
 from jls.precision._observe import observe
 
@@ -71,25 +71,28 @@ def cost(width: int, depth: int, batch: int, rounds: int) -> None:
     traced = trace(
         _step(why_skip.loss_fn, {0}, False), (_scale_of(state), params, data), {}
     )
-    run = jax.jit(lambda a: observe(traced.closed, a)[::2])
+    options = _QUICK.get(jax.default_backend())
+    run = jax.jit(lambda a: observe(traced.closed, a)[::2], compiler_options=options)
     run_first, _ = _clock(lambda: run(traced.arrays))
     run_again = statistics.median(
         _clock(lambda: run(traced.arrays))[0] for _ in range(rounds)
     )
     ops = len(observe(traced.closed, traced.arrays)[1])
+    print(f"width {width}, depth {depth}, batch {batch}: {ops} ops observed")
     print(
-        f"width {width}, depth {depth}, batch {batch} ({ops} ops observed): "
-        f"explain_step {call * 1e3:.0f} ms (CPU) against the step's compile and first "
-        f"run {step_first * 1e3:.0f} ms: {call / step_first:.2f}x; "
-        f"its program's compile and first run {run_first * 1e3:.0f} ms; "
-        f"run again {run_again * 1e3:.2f} ms against the step's {step_run * 1e3:.2f} ms: "
-        f"{run_again / step_run:.2f}x"
+        f"  explain_step, one call: {call * 1e3:.0f} ms; the step's compile and "
+        f"first run: {step_first * 1e3:.0f} ms; {call / step_first:.2f}x"
+    )
+    print(
+        f"  of which its program's compile and first run: {run_first * 1e3:.0f} ms; "
+        f"that program run again: {run_again * 1e3:.2f} ms against the step's "
+        f"{step_run * 1e3:.2f} ms, {run_again / step_run:.2f}x"
     )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=str(__doc__).splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--rounds", type=int, default=20, help="timed runs per median")

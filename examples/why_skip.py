@@ -82,7 +82,7 @@ def explain() -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument(
         "--write", action="store_true", help=f"store the report in {REPORT}"
     )

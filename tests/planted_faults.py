@@ -391,7 +391,7 @@ def linen_forward() -> Plant:
     params = jax.tree.map(lambda w: jnp.full_like(w, 300), params)
 
     def loss(params, x):
-        return jnp.mean(_Dense().apply(params, x).astype(F32))
+        return jnp.mean(jnp.asarray(_Dense().apply(params, x)).astype(F32))
 
     args = (params, full((2, 4), 100))
     return Plant(

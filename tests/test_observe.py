@@ -50,9 +50,9 @@ def test_a_move_is_measured_as_the_value_it_moved():
 
 
 def test_a_flush_to_zero_is_counted():
-    x = jnp.array([1e-4, 0.0, 1.0], F16)
-    _, sites, record = _observe(lambda x: x * x, x)  # 1e-8 flushes; 0 * 0 does not
-    assert record.flush[sites[0].flush] == 1
+    x = jnp.array([1e-8, 0.0, 1.0, 1e-9], jnp.float32)
+    _, sites, record = _observe(lambda x: x.astype(F16), x)  # 0 is no flush
+    assert record.flush[sites[0].flush] == 2
 
 
 def test_a_loop_gives_the_first_iteration_that_made_a_non_finite_value():

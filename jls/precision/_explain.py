@@ -11,6 +11,7 @@ the ops nearest their dtype's maximum. Nothing of this runs unless called.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -26,6 +27,9 @@ from jls.precision._interpret import is_array, trace
 from jls.precision._observe import BACKWARD, MOVES, Record, observe
 
 keystr = jax.tree_util.keystr
+# The explanation runs once: its compilation is its cost, and on XLA:CPU
+# the backend's optimisation is most of that (benchmarks/bench_explain.py).
+_QUICK = {"cpu": {"xla_backend_optimization_level": 0}}
 
 _WRAPPER = re.compile(r"^(?:transpose|jvp|vmap|pmap|remat|checkpoint|pjit)\((.*)\)$")
 _LIBRARIES = ("flax", "equinox", "optax", "haiku", "jax", "jaxlib")
@@ -45,10 +49,10 @@ class Op(NamedTuple):
       dtype: the dtype of its value.
       inputs: the shapes and dtypes of its floating operands.
       in_max: the operands' largest ``|x|``: inf or nan if an entry is
-        (inside a loop: over all iterations).
+        (inside a loop: over the iterations up to the first that overflowed).
       out_max: the same of its value.
-      flushed: nonzero operands it turned into zero (``mul``, ``div``,
-        casts): an underflow.
+      flushed: for a cast, the nonzero values it turned into zero: an
+        underflow.
       iteration: inside a ``scan`` or ``while``, the (outermost loop's)
         iteration where it first made a non-finite value; else ``None``.
     """
@@ -99,7 +103,7 @@ class StepReport:
       least_headroom: the ops whose values came nearest their dtype's
         maximum, nearest first: those that overflow next as the scale grows
         (a backward value grows with the scale).
-      first_flush: the first op that flushed nonzero operands to zero.
+      first_flush: the first cast that flushed nonzero values to zero.
     """
 
     scale: float
@@ -197,10 +201,12 @@ def explain_step(
     scales it; every op of the forward and the backward (nested ``jit``,
     ``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``while_loop``
     and ``cond`` included) is checked for values out of its dtype's range
-    under one ``jit``. A ``scan`` or ``while_loop``'s ops are checked at every
-    iteration (their figures are over all iterations). ``shard_map`` and
-    ``pmap`` run as one op: call it on one device's shard of the per-device
-    function instead. Nothing runs on a normal step: the cost is paid here.
+    under one ``jit``, on sharded arrays as ``jit`` runs them. A ``scan`` or
+    ``while_loop``'s ops are checked at every iteration (their figures are
+    over the iterations up to the first that overflowed). A ``shard_map`` or
+    ``pmap`` is checked as one op: to look inside, call it on the per-device
+    loss with one device's shard. Nothing runs on a normal step: the cost is
+    paid here, a compilation and a run of the step's forward and backward.
 
     Args:
       loss_fn: the unscaled loss, as the step differentiates it (nnx and
@@ -216,9 +222,10 @@ def explain_step(
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
-      A `StepReport`: the first op that overflowed (pass, primitive, line,
-      layer, dtype, what went in), the ops nearest overflow, and the
-      arguments already not finite.
+      A frozen ``StepReport``: the first op that overflowed (pass,
+      primitive, line, layer, dtype, what went in), the ops nearest
+      overflow, and the arguments already not finite; ``str(report)`` is a
+      short text report.
 
     Example:
       >>> import jax.numpy as jnp, jls
@@ -233,7 +240,7 @@ def explain_step(
     traced = trace(_step(loss_fn, nums, has_aux), (scale, *args), kwargs)
     sites: list = []
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=_QUICK.get(jax.default_backend()))
     def run(arrays: list) -> tuple:
         (loss, *grads), sites[:], record = observe(traced.closed, arrays)
         ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads] or [True]))
@@ -250,7 +257,7 @@ def explain_step(
         for p, f in zip(paths, finite, strict=True)
         if not f
     )
-    return _report(sites, record, float(scale), float(loss), bool(ok), bad, top)
+    return _report(sites, record, (float(scale), float(loss), bool(ok), bad), top)
 
 
 def _source(names: str, info: Any) -> tuple[str, str]:
@@ -285,12 +292,11 @@ def _source(names: str, info: Any) -> tuple[str, str]:
     return where or fallback or "jls.scale_loss", layer
 
 
-def _report(sites: list, record: Record, *head: Any) -> StepReport:
+def _report(sites: list, record: Record, head: tuple, top: int) -> StepReport:
     """The first op that made a non-finite value, the first flush, the least headroom.
 
     The first in program order; in a loop, by its iteration, then as written.
     """
-    *head, top = head
     ops, keys, starts = [], [], {}
     for k, s in enumerate(sites):
         out_max = float(np.max(record.top[list(s.outs)]))
@@ -301,19 +307,8 @@ def _report(sites: list, record: Record, *head: Any) -> StepReport:
             made = bool(record.made[s.made] < np.inf)
         it = int(record.made[s.made]) if made and s.made is not None else None
         where, layer = _source(s.names, s.source)
-        ops.append(
-            Op(
-                s.pass_,
-                s.primitive,
-                where,
-                layer,
-                *s[4:6],
-                in_max,
-                out_max,
-                flushed,
-                it,
-            )
-        )
+        op = (s.pass_, s.primitive, where, layer, s.dtype, s.inputs, in_max, out_max)
+        ops.append(Op(*op, flushed, it))
         start = starts.setdefault(s.in_loop, k) if s.in_loop is not None else k
         if made:  # a loop's ops are ordered by iteration, then as written
             keys.append((start, it or 0, k))
@@ -324,4 +319,5 @@ def _report(sites: list, record: Record, *head: Any) -> StepReport:
         moves = op.primitive in MOVES and op.primitive != "convert_element_type"
         if 0 < op.out_max < math.inf and not moves:
             near.setdefault((op.pass_, op.where, op.primitive), op)
-    return StepReport(*head, first, tuple(near.values())[:top], flush)
+    scale, loss, ok, bad = head
+    return StepReport(scale, loss, ok, bad, first, tuple(near.values())[:top], flush)
