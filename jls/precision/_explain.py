@@ -26,7 +26,7 @@ from jls._loss_scaling import metrics
 from jls.precision._interpret import is_array, trace
 from jls.precision._observe import BACKWARD, MOVES, Record, observe
 
-keystr = jax.tree_util.keystr
+_keystr = jax.tree_util.keystr
 # The explanation runs once: its compilation is its cost, and on XLA:CPU
 # the backend's optimisation is most of that (benchmarks/bench_explain.py).
 _QUICK = {"cpu": {"xla_backend_optimization_level": 0}}
@@ -43,9 +43,10 @@ class Op(NamedTuple):
       pass_: ``"forward"`` or ``"backward"``.
       primitive: the jax primitive (``exp``, ``dot_general``...).
       where: ``file:line`` of the user's code that made it.
-      layer: the layer path: the name stack (flax linen and equinox module
-        names, ``jax.named_scope``), else the calls from the loss function
-        down (``loss/Block/LayerNorm``).
+      layer: ``names in calls``: the name stack (flax linen and equinox
+        module names, ``jax.named_scope`` s) and the calls from the loss
+        function down (flax nnx modules by class: ``loss > Block >
+        LayerNorm``).
       dtype: the dtype of its value.
       inputs: the shapes and dtypes of its floating operands.
       in_max: the operands' largest ``|x|``: inf or nan if an entry is
@@ -251,9 +252,9 @@ def explain_step(
     flat = jax.tree_util.tree_flatten_with_path(((scale, *args), kwargs))[0]
     paths = [p for p, x in flat if is_array(x)]
     bad = tuple(
-        f"args[{p[1].idx - 1}]{keystr(p[2:])}"
+        f"args[{p[1].idx - 1}]{_keystr(p[2:])}"
         if p[0].idx == 0
-        else f"kwargs{keystr(p[1:])}"
+        else f"kwargs{_keystr(p[1:])}"
         for p, f in zip(paths, finite, strict=True)
         if not f
     )
