@@ -25,20 +25,21 @@ F16 = jnp.float16
 REPORT = pathlib.Path(__file__).parents[1] / "docs" / "howto" / "why_skip_report.txt"
 
 
+def normal(key: jax.Array, shape: tuple) -> jax.Array:
+    return (jax.random.normal(key, shape) / shape[0] ** 0.5).astype(F16)
+
+
 def init(key: jax.Array, width: int = 32, depth: int = 4) -> dict:
     """float16 parameters: ``depth`` residual blocks and a readout."""
-    keys = jax.random.split(key, 2 * depth + 1)
-    normal = lambda k, shape: (jax.random.normal(k, shape) / shape[0] ** 0.5).astype(
-        F16
-    )
+    k = jax.random.split(key, 2 * depth + 1)
     blocks = [
         {
-            "up": normal(keys[2 * i], (width, 4 * width)),
-            "down": normal(keys[2 * i + 1], (4 * width, width)),
+            "up": normal(k[2 * i], (width, 4 * width)),
+            "down": normal(k[2 * i + 1], (4 * width, width)),
         }
         for i in range(depth)
     ]
-    return {"blocks": blocks, "out": normal(keys[-1], (width, 1))}
+    return {"blocks": blocks, "out": normal(k[-1], (width, 1))}
 
 
 def layer_norm(h: jax.Array) -> jax.Array:
