@@ -59,6 +59,8 @@ LAYERS = [
     ["jls.precision._cast_eval"],
     ["jls.precision._autocast"],
     ["jls.precision._policy", "jls.precision._precision"],
+    ["jls.precision._observe"],
+    ["jls.precision._explain"],
     ["jls.hooks", "jls.precision"],
     ["jls.presets._common"],
     ["jls.presets._frameworks", "jls.presets._keras", "jls.presets._llm"],

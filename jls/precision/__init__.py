@@ -2,7 +2,8 @@
 
 `autocast` (and `Policy.wrap`) runs matmuls in half precision and the ops
 that need range in float32; `precision_report` shows what really computes
-in which dtype; `compensated`, `stochastic_rounding` and `scaled_state`
+in which dtype; `explain_step` says which op of a step overflowed, where
+and in which pass; `compensated`, `stochastic_rounding` and `scaled_state`
 train without a float32 copy of the parameters or the optimizer state.
 
 Example:
@@ -21,6 +22,7 @@ from jls.precision._scaled_state import ScaledState, scaled_state
 
 if _typing.TYPE_CHECKING:
     from jls.precision._autocast import autocast
+    from jls.precision._explain import explain_step
     from jls.precision._policy import Policy, get_policy
     from jls.precision._precision import PrecisionReport, precision_report
 
@@ -30,6 +32,7 @@ __all__ = [
     "ScaledState",
     "autocast",
     "compensated",
+    "explain_step",
     "get_policy",
     "precision_report",
     "scaled_state",
@@ -43,6 +46,7 @@ _INTERPRETING = {
     "get_policy": "_policy",
     "PrecisionReport": "_precision",
     "precision_report": "_precision",
+    "explain_step": "_explain",
 }
 
 

@@ -1,0 +1,324 @@
+"""`explain_step`: where a step overflowed, its op, line, layer and pass.
+
+The step's forward and backward are traced as one program (``jax.vjp``, the
+pullback under the name scope `jls.precision._observe.BACKWARD`) and run
+again under one ``jit`` by `jls.precision._observe.observe`, which measures
+every floating value an op makes. On the host the measures name the first
+op, in program order, that made a value non-finite from finite operands, and
+the ops nearest their dtype's maximum. Nothing of this runs unless called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jls._loss_scaling import metrics
+from jls.precision._interpret import is_array, trace
+from jls.precision._observe import BACKWARD, MOVES, Record, observe
+
+_keystr = jax.tree_util.keystr
+# The explanation runs once: its compilation is its cost, and on XLA:CPU
+# the backend's optimisation is most of that (benchmarks/bench_explain.py).
+_QUICK = {"cpu": {"xla_backend_optimization_level": 0}}
+
+_WRAPPER = re.compile(r"^(?:transpose|jvp|vmap|pmap|remat|checkpoint|pjit)\((.*)\)$")
+_LIBRARIES = ("flax", "equinox", "optax", "haiku", "jax", "jaxlib")
+_JLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class Op(NamedTuple):
+    """One op's values, as the explanation saw them.
+
+    Attributes:
+      pass_: ``"forward"`` or ``"backward"``.
+      primitive: the jax primitive (``exp``, ``dot_general``...).
+      where: ``file:line`` of the user's code that made it.
+      layer: ``names in calls``: the name stack (flax linen and equinox
+        module names, ``jax.named_scope`` s) and the calls from the loss
+        function down (flax nnx modules by class: ``loss > Block >
+        LayerNorm``).
+      dtype: the dtype of its value.
+      inputs: the shapes and dtypes of its floating operands.
+      in_max: the operands' largest ``|x|``: inf or nan if an entry is
+        (inside a loop: over the iterations up to the first that overflowed).
+      out_max: the same of its value.
+      flushed: for a cast, the nonzero values it turned into zero: an
+        underflow.
+      iteration: inside a ``scan`` or ``while``, the (outermost loop's)
+        iteration where it first made a non-finite value; else ``None``.
+    """
+
+    pass_: str
+    primitive: str
+    where: str
+    layer: str
+    dtype: str
+    inputs: str
+    in_max: float
+    out_max: float
+    flushed: int = 0
+    iteration: int | None = None
+
+    @property
+    def headroom(self) -> float:
+        """``dtype max / largest |value|``: how far its value is from overflow."""
+        return (
+            float(jnp.finfo(self.dtype).max) / self.out_max
+            if self.out_max
+            else math.inf
+        )
+
+    def __str__(self) -> str:
+        loop = "" if self.iteration is None else f" (loop iteration {self.iteration})"
+        return (
+            f"{self.pass_} {self.primitive} -> {self.dtype} at {self.where}{loop}\n"
+            f"  layer: {self.layer or '?'}\n"
+            f"  in:  {self.inputs}: max|x| {self.in_max:.4g}\n"
+            f"  out: max|x| {self.out_max:.4g}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What `explain_step` found; ``str(report)`` is a short text report.
+
+    Attributes:
+      scale: the loss scale the step ran with.
+      loss: the unscaled loss.
+      grads_finite: whether every scaled gradient was finite (the step
+        would be applied).
+      first: the first op, in program order, whose value left its dtype's
+        range (inf or nan) while its operands were finite; ``None`` if none.
+      nonfinite_args: the paths of argument leaves already not finite (a
+        corrupted state: no op is to blame then).
+      least_headroom: the ops whose values came nearest their dtype's
+        maximum, nearest first: those that overflow next as the scale grows
+        (a backward value grows with the scale).
+      first_flush: the first cast that flushed nonzero values to zero.
+    """
+
+    scale: float
+    loss: float
+    grads_finite: bool
+    nonfinite_args: tuple[str, ...]
+    first: Op | None
+    least_headroom: tuple[Op, ...]
+    first_flush: Op | None = None
+
+    def __str__(self) -> str:
+        ok = "finite" if self.grads_finite else "NOT finite (the step is skipped)"
+        rows = [
+            f"step at loss scale {self.scale:g}: loss {self.loss:.6g}, gradients {ok}"
+        ]
+        if self.nonfinite_args:
+            rows.append("non-finite before any op, in the arguments:")
+            rows += [f"  {p}" for p in self.nonfinite_args]
+        if self.first is not None:
+            rows += ["first op to overflow (inf/nan from finite operands):"]
+            rows += ["  " + r for r in str(self.first).splitlines()]
+        elif not self.nonfinite_args:
+            rows.append("no op overflowed")
+        if self.first_flush is not None:
+            f = self.first_flush
+            rows.append(
+                f"first underflow: {f.pass_} {f.primitive} -> {f.dtype} at "
+                f"{f.where} flushed {f.flushed} nonzero values to zero"
+            )
+        rows.append(
+            "least headroom (dtype max / max|value|; backward grows with scale):"
+        )
+        rows += [
+            f"  {op.headroom:>9.3g}x  {op.pass_:<8} {op.primitive:<20} {op.dtype:<8} "
+            f"{op.where}  {op.layer}"
+            for op in self.least_headroom
+        ]
+        return "\n".join(rows)
+
+    def _repr_markdown_(self) -> str:
+        return f"```text\n{self}\n```"
+
+
+def _scale_of(state: Any) -> np.float32:
+    """The scale a state holds (`jls.metrics`' ``loss_scale``), or a number's."""
+    if isinstance(state, (int, float, np.generic, np.ndarray, jax.Array)):
+        return np.float32(state)
+    return np.float32(np.ravel(metrics(state)["loss_scale"])[0])
+
+
+def _step(loss_fn: Callable, nums: set, has_aux: bool) -> Callable:
+    """``(scale, *args, **kwargs) -> (loss, gradients)``, the backward named."""
+
+    def step(scale: Any, *args: Any, **kwargs: Any) -> tuple:
+        flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [x for _, x in flat]
+        diff = [
+            i
+            for i, (p, x) in enumerate(flat)
+            if p[0].idx == 0 and p[1].idx in nums and _floating(x)
+        ]
+
+        def scaled(d: list) -> tuple:
+            for i, x in zip(diff, d, strict=True):
+                leaves[i] = x
+            a, k = jax.tree.unflatten(treedef, leaves)
+            loss = jnp.asarray(loss_fn(*a, **k)[0] if has_aux else loss_fn(*a, **k))
+            wide = jnp.promote_types(loss.dtype, jnp.float32)  # as jls.scale_loss
+            return loss.astype(wide) * scale.astype(wide), loss
+
+        out, pullback, loss = jax.vjp(scaled, [leaves[i] for i in diff], has_aux=True)
+        with jax.named_scope(BACKWARD):
+            return loss, pullback(jnp.ones((), out.dtype))[0]
+
+    return step
+
+
+def _floating(x: Any) -> bool:
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def explain_step(
+    loss_fn: Callable[..., Any],
+    opt_state: Any,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    top: int = 5,
+    **kwargs: Any,
+) -> StepReport:
+    """Runs a step's forward and backward again and says where it overflowed.
+
+    ``loss_fn(*args, **kwargs)`` is differentiated with respect to
+    ``args[argnums]``'s floating arrays, its loss scaled as `jls.scale_loss`
+    scales it; every op of the forward and the backward (nested ``jit``,
+    ``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``while_loop``
+    and ``cond`` included) is checked for values out of its dtype's range
+    under one ``jit``, on sharded arrays as ``jit`` runs them. A ``scan`` or
+    ``while_loop``'s ops are checked at every iteration (their figures are
+    over the iterations up to the first that overflowed). A ``shard_map`` or
+    ``pmap`` is checked as one op: to look inside, call it on the per-device
+    loss with one device's shard. Nothing runs on a normal step: the cost is
+    paid here, a compilation and a run of the step's forward and backward.
+
+    Args:
+      loss_fn: the unscaled loss, as the step differentiates it (nnx and
+        equinox modules among its arguments).
+      opt_state: the state the step ran with: an optimizer state containing
+        a `jls.LossScaleState` (its scale, as `jls.metrics` reads it), or the
+        scale itself. A skipped step has backed the scale off already: pass
+        the state before the step, or its scale.
+      *args: the step's arguments.
+      argnums: which arguments the gradients are taken of.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      top: how many ops the least-headroom table lists.
+      **kwargs: keyword arguments of ``loss_fn``.
+
+    Returns:
+      A frozen ``StepReport``: the first op that overflowed (pass,
+      primitive, line, layer, dtype, what went in), the ops nearest
+      overflow, and the arguments already not finite; ``str(report)`` is a
+      short text report.
+
+    Example:
+      >>> import jax.numpy as jnp, jls
+      >>> loss = lambda w, x: jnp.sum(jnp.exp(x * w))
+      >>> w, x = jnp.ones(3, jnp.float16), jnp.array([1.0, 5.0, 12.0], jnp.float16)
+      >>> report = jls.precision.explain_step(loss, 1.0, w, x)
+      >>> report.first.pass_, report.first.primitive, report.first.dtype
+      ('forward', 'exp', 'float16')
+    """
+    nums = {argnums} if isinstance(argnums, int) else set(argnums)
+    scale = _scale_of(opt_state)
+    traced = trace(_step(loss_fn, nums, has_aux), (scale, *args), kwargs)
+    sites: list = []
+
+    @functools.partial(jax.jit, compiler_options=_QUICK.get(jax.default_backend()))
+    def run(arrays: list) -> tuple:
+        (loss, *grads), sites[:], record = observe(traced.closed, arrays)
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads] or [True]))
+        finite = [jnp.all(jnp.isfinite(x)) if _floating(x) else True for x in arrays]
+        return loss, ok, jnp.stack(finite), record
+
+    loss, ok, finite, record = jax.device_get(run(traced.arrays))
+    flat = jax.tree_util.tree_flatten_with_path(((scale, *args), kwargs))[0]
+    paths = [p for p, x in flat if is_array(x)]
+    bad = tuple(
+        f"args[{p[1].idx - 1}]{_keystr(p[2:])}"
+        if p[0].idx == 0
+        else f"kwargs{_keystr(p[1:])}"
+        for p, f in zip(paths, finite, strict=True)
+        if not f
+    )
+    return _report(sites, record, (float(scale), float(loss), bool(ok), bad), top)
+
+
+def _source(names: str, info: Any) -> tuple[str, str]:
+    """``file:line`` and the layer: ``names in calls``.
+
+    The line is the innermost of the user's own frames (else of a model
+    library's). The names are the name stack's (flax linen and equinox
+    modules, ``jax.named_scope`` s), the calls the user's frames from the
+    loss down (and the model library's without a name stack: flax nnx).
+    """
+    parts = []
+    for part in names.split("/"):
+        while (m := _WRAPPER.match(part)) is not None:
+            part = m.group(1)
+        if part not in ("", BACKWARD, *parts[-1:]):
+            parts.append(part)
+    calls, where, fallback = [], None, None
+    for frame in getattr(info.traceback, "frames", ()):
+        if frame.file_name.startswith(_JLS):
+            break  # explain_step's own frames: the loss function is above
+        tail = frame.file_name.replace("\\", "/").rpartition("/site-packages/")[2]
+        library = tail.split("/")[0] in _LIBRARIES
+        place = f"{os.path.basename(frame.file_name)}:{frame.line_num}"
+        if tail.split("/")[0] in ("jax", "jaxlib") or "/jax/_src/" in tail:
+            continue
+        fallback = fallback or place
+        where = where or (None if library else place)
+        if not (parts and library) and frame.function_name[0] != "<":
+            calls.append(frame.function_name.removesuffix(".__call__"))
+    chain = [c.replace(".<locals>.", ".") for c in reversed(calls)]
+    layer = " in ".join(p for p in ("/".join(parts), " > ".join(chain)) if p)
+    return where or fallback or "jls.scale_loss", layer
+
+
+def _report(sites: list, record: Record, head: tuple, top: int) -> StepReport:
+    """The first op that made a non-finite value, the first flush, the least headroom.
+
+    The first in program order; in a loop, by its iteration, then as written.
+    """
+    ops, keys, starts = [], [], {}
+    for k, s in enumerate(sites):
+        out_max = float(np.max(record.top[list(s.outs)]))
+        in_max = float(np.max(record.top[list(s.ins)], initial=0.0))
+        flushed = 0 if s.flush is None else int(record.flush[s.flush])
+        made = not math.isfinite(out_max) and math.isfinite(in_max)
+        if s.made is not None:  # in a loop: the iteration it first made one
+            made = bool(record.made[s.made] < np.inf)
+        it = int(record.made[s.made]) if made and s.made is not None else None
+        where, layer = _source(s.names, s.source)
+        op = (s.pass_, s.primitive, where, layer, s.dtype, s.inputs, in_max, out_max)
+        ops.append(Op(*op, flushed, it))
+        start = starts.setdefault(s.in_loop, k) if s.in_loop is not None else k
+        if made:  # a loop's ops are ordered by iteration, then as written
+            keys.append((start, it or 0, k))
+    first = ops[min(keys)[2]] if keys else None
+    flush = next((op for op in ops if op.flushed), None)
+    near: dict = {}
+    for op in sorted(ops, key=lambda op: op.headroom):
+        moves = op.primitive in MOVES and op.primitive != "convert_element_type"
+        if 0 < op.out_max < math.inf and not moves:
+            near.setdefault((op.pass_, op.where, op.primitive), op)
+    scale, loss, ok, bad = head
+    return StepReport(scale, loss, ok, bad, first, tuple(near.values())[:top], flush)

@@ -1,0 +1,357 @@
+"""The interpreter behind `explain_step`: every op of a program, observed.
+
+`observe` binds each equation of a closed jaxpr again (under the caller's
+``jit``) and measures every floating value an op makes, once: its largest
+``|x|``, inf or nan if an entry is (a `Record`); each op's `Site` says which
+measures are its value's and its operands'. An op that only moves a value (a
+reshape) is measured as the value it moved. Nested ``jit``,
+``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``while_loop`` and
+``cond`` programs are observed inside: a loop's ops at every iteration, a
+``cond``'s in the branch taken. Any other op with a program (``shard_map``,
+``pmap``) is observed as one op.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jls.precision._interpret import as_closed, bind, is_literal, read
+
+_F32 = np.dtype(np.float32)
+_NEVER = np.float32(np.inf)
+_ZEROS, _NEVERS, _EMPTY = np.zeros(1, _F32), np.full(1, np.inf, _F32), np.zeros(0, _F32)
+_TRUE, _BIG = np.ones(1, bool), np.full(1, np.finfo(_F32).max, _F32)
+_IDLE = (0, 0, np.inf)  # a record's entries where nothing was observed
+# The name scope around the backward pass: what tells it from the forward.
+BACKWARD = "jls_backward"
+# An op that only moves values: a non-finite constant it takes (a mask's
+# -inf) is not made by it.
+MOVES = frozenset(
+    {"select_n", "broadcast_in_dim", "pad", "concatenate", "max", "min", "reshape"}
+    | {"convert_element_type", "copy", "dynamic_update_slice", "scatter", "squeeze"}
+    | {"transpose", "slice", "dynamic_slice", "gather", "rev"}
+)
+# Ops that move a value without making or dropping any of it: not observed
+# (their value is measured as the one they moved).
+_SAME = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "copy"})
+# Ops whose zero from a nonzero operand is an underflow: the casts, where
+# float16 values are made from float32 ones (checking every product would
+# compile the program a third slower again; an exp to zero is no underflow).
+_FLUSH = frozenset({"convert_element_type"})
+
+
+class Site(NamedTuple):
+    """An observed op: what the report shows, and its entries in a `Record`.
+
+    ``outs``/``ins`` index its value's and its operands' measures, ``flush``
+    its flush count, ``made`` (inside a loop) the first iteration it made a
+    non-finite value.
+    """
+
+    pass_: str
+    primitive: str
+    source: Any  # its source_info: the line and the layer
+    names: str  # its name stack and its enclosing equations'
+    dtype: str
+    inputs: str
+    in_loop: int | None  # its outermost enclosing loop, if any
+    outs: tuple[int, ...]
+    ins: tuple[int, ...]
+    flush: int | None
+    made: int | None
+
+
+class Record(NamedTuple):
+    """What a program's run measured, each a float32 vector.
+
+    ``top``: each value's largest ``|x|`` (inf or nan if any entry is);
+    ``flush``: nonzero operands flushed to zero; ``made``: the first
+    iteration a loop's op made a non-finite value from finite operands (else
+    inf). A loop's figures are over its iterations up to the first in which
+    an op made a non-finite value.
+    """
+
+    top: Any
+    flush: Any
+    made: Any
+
+
+class _Ctx(NamedTuple):
+    names: str  # the enclosing equations' name stacks
+    loop: int | None
+
+
+def _shift(s: Site, by: Sequence[int]) -> Site:
+    """``s`` with its entries moved ``by`` (the top, flush and made offsets)."""
+    return s._replace(
+        outs=tuple(i + by[0] for i in s.outs),
+        ins=tuple(i + by[0] for i in s.ins),
+        flush=None if s.flush is None else s.flush + by[1],
+        made=None if s.made is None else s.made + by[2],
+    )
+
+
+class _Log:
+    """The sites and the measures of one program's run, as they are made."""
+
+    def __init__(self, ctx: _Ctx) -> None:
+        self.ctx, self.sites = ctx, []
+        self.parts: tuple[list, ...] = ([], [], [])
+        self.sizes = [0, 0, 0]
+        self.values: dict[int, Any] = {}
+
+    def add(self, k: int, part: Any) -> int:
+        self.parts[k].append(part)
+        self.sizes[k] += part.shape[0]
+        return self.sizes[k] - part.shape[0]
+
+    def merge(self, sites: list, record: Record) -> None:
+        self.sites += [_shift(s, self.sizes) for s in sites]
+        for k, part in enumerate(record):
+            self.add(k, part)
+
+    def record(self) -> Record:
+        return Record(*(lax.concatenate(p, 0) if p else _EMPTY for p in self.parts))
+
+
+def _floating(v: Any) -> bool:
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+# The measures are written in lax, not jnp: each jnp function is a jit of
+# its own, a function of its own in the program, and the program compiles
+# several times slower.
+def _measure(x: Any) -> Any:
+    """The largest ``|x|``, float32 ``(1,)``: inf or nan if any entry is.
+
+    No count of the infs and nans: it would compile the program half as
+    slowly again.
+    """
+    x = lax.abs(jnp.asarray(x))  # reduced whole: a sharded value is not reshaped
+    return lax.reshape(lax.convert_element_type(_all(lax.reduce_max, x), _F32), (1,))
+
+
+def _flushed(invals: list, out: Any) -> Any:
+    """How many entries of ``out`` are zero where no operand's is."""
+    lost = lax.eq(out, lax.full_like(out, 0))
+    for x in invals:
+        x = jnp.asarray(x)
+        lost = lax.bitwise_and(lost, lax.ne(x, lax.full_like(x, 0)))
+    return lax.reshape(_all(lax.reduce_sum, lax.convert_element_type(lost, _F32)), (1,))
+
+
+def _all(reduce: Callable, x: Any) -> Any:
+    return reduce(x, tuple(range(x.ndim)))
+
+
+def _observe_op(eqn: Any, invals: list, outs: list, log: _Log, index: Callable) -> None:
+    """``eqn``'s site, its measures (and in a loop, whether it made a non-finite)."""
+    name = eqn.primitive.name
+    pairs = zip(eqn.outvars, outs, strict=True)
+    out_ix = tuple(index(v, x) for v, x in pairs if _floating(v))
+    pairs = zip(eqn.invars, invals, strict=True)
+    in_ix = tuple(
+        index(v, x)
+        for v, x in pairs
+        if _floating(v) and (name in MOVES or not is_literal(v))
+    )
+    flush = made = None
+    if name in _FLUSH and all(np.shape(x) in ((), outs[0].shape) for x in invals):
+        flush = log.add(1, _flushed(invals, outs[0]))
+    if log.ctx.loop is not None:  # some value not finite, every operand finite
+        finite = [lax.le(log.values[i], _BIG) for i in (*out_ix, *in_ix)]
+        made_ = functools.reduce(lax.bitwise_and, finite[len(out_ix) :], _TRUE)
+        made_ = lax.bitwise_and(
+            made_,
+            lax.bitwise_not(functools.reduce(lax.bitwise_and, finite[: len(out_ix)])),
+        )
+        made = log.add(2, lax.select(made_, _ZEROS, _NEVERS))
+    log.sites.append(_site(eqn, log.ctx, out_ix, in_ix, flush, made))
+
+
+def _site(eqn: Any, ctx: _Ctx, *entries: Any) -> Site:
+    names = f"{ctx.names}/{eqn.source_info.name_stack}"
+    dtype = next(v.aval.dtype.name for v in eqn.outvars if _floating(v))
+    ins = ", ".join(v.aval.str_short() for v in eqn.invars if _floating(v))
+    pass_ = "backward" if BACKWARD in names.split("/") else "forward"
+    site = (pass_, eqn.primitive.name, eqn.source_info, names, dtype, ins, ctx.loop)
+    return Site(*site, *entries)
+
+
+def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
+    jaxpr, ctx = closed.jaxpr, log.ctx
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    seen: dict[Any, int] = {}  # each value measured once, however often read
+    alias: dict[Any, Any] = {}  # a value only moved: the one it was moved from
+
+    def index(v: Any, x: Any) -> int:
+        if not is_literal(v):
+            v, x = alias.get(v, (v, x))
+            if v in seen:
+                return seen[v]
+        top = _measure(x)
+        i = log.add(0, top)
+        log.values[i] = top
+        if not is_literal(v):
+            seen[v] = i
+        return i
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v, env) for v in eqn.invars]
+        nested = _NESTED.get(eqn.primitive.name)
+        if nested is not None:
+            names = f"{ctx.names}/{eqn.source_info.name_stack}"
+            outs = nested(eqn, invals, _Log(ctx._replace(names=names)), log)
+        else:
+            outs = bind(eqn, invals)
+            if eqn.primitive.name in _SAME and not is_literal(eqn.invars[0]):
+                source = eqn.invars[0]
+                alias[eqn.outvars[0]] = alias.get(source, (source, invals[0]))
+            elif any(_floating(v) for v in eqn.outvars):
+                _observe_op(eqn, invals, outs, log, index)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v, env) for v in jaxpr.outvars]
+
+
+def _traced(closed: Any, ctx: _Ctx) -> tuple[Callable, list, list]:
+    """``closed`` as ``fn(*args) -> (outs, record)``, its sites, its record's sizes."""
+    sites: list = []
+
+    def fn(*args: Any) -> tuple[list, Record]:
+        log = _Log(ctx)
+        outs = _eval(closed, args, log)
+        sites[:] = log.sites
+        return outs, log.record()
+
+    specs = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars
+    ]
+    return fn, sites, [r.shape[0] for r in jax.eval_shape(lambda *a: fn(*a)[1], *specs)]
+
+
+def _call(key: str) -> Callable:
+    def call(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+        closed = eqn.params[key]
+        name = eqn.params.get("name", "")  # a jit's function name
+        inner.ctx = inner.ctx._replace(names=f"{inner.ctx.names}/{name}")
+        outs = _eval(
+            closed if hasattr(closed, "consts") else as_closed(closed), invals, inner
+        )
+        log.merge(inner.sites, inner.record())
+        return outs
+
+    return call
+
+
+def _idle(sizes: Sequence[int]) -> Record:
+    """A record of nothing observed: what a loop starts from, a branch not taken."""
+    return Record(*(jnp.full(n, v, _F32) for n, v in zip(sizes, _IDLE, strict=True)))
+
+
+def _combine(acc: Record, new: Record, i: Any) -> Record:
+    """A loop's record after iteration ``i``.
+
+    Its figures stop growing after the first iteration an op made a
+    non-finite value, so that op's operands are shown as they were then.
+    """
+    made = jnp.minimum(acc.made, jnp.where(new.made < _NEVER, i, _NEVER))
+    done = jnp.min(acc.made, initial=_NEVER) < _NEVER
+    top = jnp.where(done, acc.top, jnp.maximum(acc.top, new.top))
+    return Record(top, jnp.where(done, acc.flush, acc.flush + new.flush), made)
+
+
+def _loop(closed: Any, consts: list, init: list, inner: _Log) -> tuple:
+    """The body of a loop over ``(carry, record, i)``, observed, and its sites."""
+    ctx = inner.ctx
+    fn, sites, n = _traced(closed, ctx if ctx.loop else ctx._replace(loop=next(_LOOPS)))
+
+    def body(carry: tuple, x: Sequence = ()) -> tuple:
+        outs, record = fn(*consts, *carry[0], *x)
+        new = (outs[: len(init)], _combine(carry[1], record, carry[2]), carry[2] + 1)
+        return new, outs[len(init) :]
+
+    return body, (list(init), _idle(n), jnp.float32(0)), sites
+
+
+def _scan(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    body, start, sites = _loop(p["jaxpr"], invals[:nc], invals[nc : nc + nk], inner)
+    options = {k: p[k] for k in ("length", "reverse", "unroll")}
+    (carry, acc, _), ys = jax.lax.scan(body, start, invals[nc + nk :], **options)
+    log.merge(sites, acc)
+    return [*carry, *ys]
+
+
+def _while(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    body, start, sites = _loop(
+        p["body_jaxpr"], invals[nc : nc + nb], invals[nc + nb :], inner
+    )
+
+    def cond(carry: tuple) -> Any:
+        return _eval(p["cond_jaxpr"], [*invals[:nc], *carry[0]], _Log(inner.ctx))[0]
+
+    carry, acc, _ = jax.lax.while_loop(cond, lambda c: body(c)[0], start)
+    log.merge(sites, acc)
+    return list(carry)
+
+
+def _cond(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+    index, *operands = invals
+    traced = [_traced(b, inner.ctx) for b in eqn.params["branches"]]
+    sizes = np.array([n for _, _, n in traced])
+    starts = np.cumsum(sizes, 0) - sizes
+
+    def branch(k: int) -> Callable:
+        def run(*args: Any) -> tuple:  # its record among the others' idle ones
+            outs, record = traced[k][0](*args)
+            before, after = _idle(starts[k]), _idle(sizes.sum(0) - starts[k] - sizes[k])
+            parts = zip(before, record, after, strict=True)
+            return outs, Record(*(lax.concatenate(list(p), 0) for p in parts))
+
+        return run
+
+    outs, record = jax.lax.switch(
+        index, [branch(k) for k in range(len(traced))], *operands
+    )
+    sites = [_shift(s, starts[k]) for k, (_, ss, _) in enumerate(traced) for s in ss]
+    log.merge(sites, record)
+    return list(outs)
+
+
+_LOOPS = itertools.count()
+_NESTED: dict[str, Callable[[Any, list, _Log, _Log], list]] = {
+    "jit": _call("jaxpr"),
+    "pjit": _call("jaxpr"),
+    "closed_call": _call("call_jaxpr"),
+    "core_call": _call("call_jaxpr"),
+    "custom_jvp_call": _call("call_jaxpr"),
+    "custom_vjp_call": _call("call_jaxpr"),
+    "remat2": _call("jaxpr"),
+    "checkpoint": _call("jaxpr"),
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+}
+
+
+def observe(closed: Any, args: Sequence[Any]) -> tuple[list, list, Record]:
+    """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`.
+
+    Ops under the name scope `BACKWARD` are the backward pass's.
+    """
+    log = _Log(_Ctx("", None))
+    outs = _eval(closed, args, log)
+    return outs, log.sites, log.record()

@@ -1,0 +1,88 @@
+"""The observing interpreter: each value measured once, each op's entries."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jls.precision._observe import BACKWARD, observe
+
+F16 = jnp.float16
+
+
+def _observe(fn, *args):
+    closed = jax.make_jaxpr(fn)(*args)
+    sites = []
+
+    def run(*args):
+        outs, found, record = observe(closed, args)
+        sites[:] = found
+        return outs, record
+
+    outs, record = jax.jit(run)(*args)
+    return outs, sites, jax.device_get(record)
+
+
+def test_an_ops_entries_are_its_values_and_its_operands():
+    x = jnp.array([1.0, 12.0, -3.0], F16)
+    outs, sites, record = _observe(lambda x: jnp.exp(x * 0.5), x)
+    assert [(s.pass_, s.primitive, s.dtype, s.inputs) for s in sites] == [
+        ("forward", "mul", "float16", "float16[3], float16[]"),
+        ("forward", "exp", "float16", "float16[3]"),
+    ]
+    mul, exp = sites
+    assert len(mul.ins) == 1 and exp.ins == mul.outs  # the literal 0.5: no operand
+    np.testing.assert_array_equal(record.top[list(mul.ins)], [12.0])
+    np.testing.assert_array_equal(record.top[list(exp.outs)], [np.exp(F16(6.0))])
+    np.testing.assert_array_equal(record.top[list(exp.ins)], [6.0])
+    assert len(record.top) == 3  # x, x * 0.5, exp: each measured once
+
+
+def test_a_non_finite_value_measures_inf_or_nan():
+    x = jnp.array([jnp.inf, 1.0], F16)
+    _, sites, record = _observe(lambda x: (x * 2, jnp.sqrt(x - 2)), x)
+    assert record.top[sites[0].outs[0]] == np.inf and np.isnan(record.top[-1])
+
+
+def test_a_move_is_measured_as_the_value_it_moved():
+    x = jnp.ones((2, 3), F16)
+    _, sites, record = _observe(lambda x: jnp.exp(x.T.reshape(6)), x)
+    assert [s.primitive for s in sites] == ["exp"] and len(record.top) == 2
+
+
+def test_a_flush_to_zero_is_counted():
+    x = jnp.array([1e-8, 0.0, 1.0, 1e-9], jnp.float32)
+    _, sites, record = _observe(lambda x: x.astype(F16), x)  # 0 is no flush
+    assert record.flush[sites[0].flush] == 2
+
+
+def test_a_loop_gives_the_first_iteration_that_made_a_non_finite_value():
+    def grow(c):
+        return jax.lax.scan(lambda c, _: (c * 4, None), c, length=10)[0]
+
+    _, sites, record = _observe(grow, jnp.ones(2, F16))
+    (mul,) = sites
+    assert mul.in_loop is not None and record.made[mul.made] == 7  # 4**8 > 65504
+    # The figures stop at that iteration: its operand was 4**7.
+    assert record.top[mul.ins[0]] == 4.0**7 and record.top[mul.outs[0]] == np.inf
+
+
+def test_the_branch_not_taken_is_not_observed():
+    def branch(x):
+        return jax.lax.cond(x[0] > 0, lambda x: x + 1, lambda x: jnp.exp(x * 100), x)
+
+    _, sites, record = _observe(branch, jnp.ones(2, F16))
+    exp = next(s for s in sites if s.primitive == "exp")
+    add = next(s for s in sites if s.primitive == "add")
+    assert record.top[exp.outs[0]] == 0 and record.top[add.outs[0]] == 2
+
+
+def test_the_backward_is_what_runs_under_its_name_scope():
+    def step(x):
+        y, pullback = jax.vjp(jnp.sin, x)
+        with jax.named_scope(BACKWARD):
+            return pullback(y)
+
+    _, sites, _ = _observe(step, jnp.ones(2, F16))
+    assert [(s.pass_, s.primitive) for s in sites] == [
+        ("forward", "sin"), ("forward", "cos"), ("backward", "mul")
+    ]  # fmt: skip
