@@ -1,5 +1,7 @@
 """A non-finite loss skips its step, keeping the scale (`jls.hooks._nonfinite_loss`)."""
 
+# pyright: reportAttributeAccessIssue=false
+
 import warnings
 
 import chex
@@ -160,7 +162,7 @@ def test_metrics_reads_no_count_of_an_unfinished_step():
 
     state = jls.loss_scaling(optax.sgd(0.1)).init(W)
     state = state._replace(
-        hooks={**state.hooks, "nonfinite_loss": NonfiniteLossState(Running())}
+        hooks={**state.hooks, "nonfinite_loss": NonfiniteLossState(Running())}  # type: ignore[arg-type]
     )
     warn_if_nonfinite_loss(state, wait=False)
     with pytest.raises(AssertionError, match="before the step finished"):
