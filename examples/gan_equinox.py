@@ -8,8 +8,9 @@ too, so the one nan batch injected at ``--nan-step`` (a corrupt record, say)
 writes nan into them in the forward pass, before jls sees the gradients.
 Both optimizers skip that step, correctly; but without
 ``jls.keep_if_skipped`` the nan statistics stay, every later forward pass is
-nan, and every later step of both models is skipped, with no error
-(``--no-keep`` shows it). With it, the statistics are kept as they were on
+nan, and every later step of both models is skipped, with no error; as the
+steps pass their loss (``loss=``), `jls.metrics` warns from the 8th non-finite
+loss in a row (``--no-keep`` shows it). With it, the statistics are kept as they were on
 the skipped step, and training goes on.
 
 Each loss is scaled with its own optimizer's state (jls warns, at trace time,
@@ -96,7 +97,7 @@ def make_step(tx_g, tx_d, keep: bool):
             return jls.scale_loss(loss, opt_d), (loss, new)  # D's own state
 
         grads, (loss_d, new) = eqx.filter_grad(d_loss, has_aux=True)(disc)
-        disc, opt_d = jls.apply_gradients(tx_d, grads, opt_d, disc)
+        disc, opt_d = jls.apply_gradients(tx_d, grads, opt_d, disc, loss=loss_d)
 
         def g_loss(gen):
             logits, after = discriminate(disc, generate(gen, z), new)
@@ -104,7 +105,7 @@ def make_step(tx_g, tx_d, keep: bool):
             return jls.scale_loss(loss, opt_g), (loss, after)  # G's own state
 
         grads, (loss_g, new) = eqx.filter_grad(g_loss, has_aux=True)(gen)
-        gen, opt_g = jls.apply_gradients(tx_g, grads, opt_g, gen)
+        gen, opt_g = jls.apply_gradients(tx_g, grads, opt_g, gen, loss=loss_g)
         if keep:  # the one call: the statistics as they were if a step skipped
             new = jls.keep_if_skipped(new, state, opt_d, opt_g)
         skipped = jls.metrics(opt_d)["skipped"] | jls.metrics(opt_g)["skipped"]

@@ -16,6 +16,7 @@ from jls._transformation import MISSING, LossScaling, config_of
 from jls._tree import loss_scale_state
 from jls.hooks._divergence import DIVERGENCE_LIMIT
 from jls.hooks._hooks import Hook, LossScalingState, hook_metrics
+from jls.hooks._nonfinite_loss import warn_if_nonfinite_loss
 from jls.hooks._spikes import SpikeRule
 
 
@@ -43,7 +44,8 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       * ``retries``: how often the latest step's gradients were recomputed
         (``jls.train_step(..., max_retries=n)``).
       * ``nonfinite_loss``: whether the latest step's loss (``loss=``) was
-        not finite; such a step is skipped with the scale held.
+        not finite; such a step is skipped with the scale held. On the host
+        (a finished step: no sync), 8 in a row warn (``RuntimeWarning``).
       * ``diverged``: whether ``max_consecutive_skips`` steps in a row were
         skipped (`loss_scaling`'s default, 1000; `jls.hooks.Divergence`).
       * each further hook state's ``metrics()`` (`jls.hooks.builtin_metrics`
@@ -69,6 +71,7 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     wrappers = optax.tree.get_all_with_path(opt_state, LossScalingState.__name__)
     if len(wrappers) == 1:
         out.update(hook_metrics(dict(wrappers[0][1].hooks)))
+    warn_if_nonfinite_loss(opt_state, wait=False)
     return out
 
 

@@ -239,6 +239,22 @@ def test_an_off_switch_checkpoint_without_the_nonfinite_loss_record_resumes():
     assert int(m["total_skips"]) == 5 and not bool(m["nonfinite_loss"])
 
 
+def test_a_saved_nonfinite_loss_flag_resumes_as_a_count():
+    # jls 0.3 to 0.5 kept whether the latest loss was not finite (a bool; in
+    # 0.3 the hook's bare state); it is now the steps in a row (int32).
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    target = tx.init({"w": jnp.zeros(2)})
+    for saved in ({"nonfinite": np.bool_(True)}, np.bool_(True)):
+        old = jax.tree.map(np.asarray, target._asdict())
+        old["loss_scale"] = old["loss_scale"]._asdict()
+        old["hooks"] = {**old["hooks"], "nonfinite_loss": saved}
+        state = jls.upgrade_state(old, target)
+        count = state.hooks["nonfinite_loss"].nonfinite
+        assert count.dtype == jnp.int32 and int(count) == 1
+        _, state = tx.update({"w": jnp.ones(2)}, state, loss=jnp.float32(np.nan))
+        assert int(state.hooks["nonfinite_loss"].nonfinite) == 2
+
+
 def test_a_state_leaf_whose_dtype_the_optimizer_changed_resumes_bitwise():
     # An optimizer may change a state leaf's dtype after init (optax's
     # inject_hyperparams(adamw) keeps a float16 parameter's moments in float32

@@ -41,9 +41,11 @@ def test_divergence_error_at_the_host_check():
         jls.hooks.raise_if_diverged(state)
     params, state, out = step(params, state, bad)
     with pytest.raises(
-        jls.hooks.DivergenceError, match="jls: loss scaling diverged: 3 consecutive"
-    ):
+        jls.hooks.DivergenceError, match="diverged: 3 consecutive"
+    ) as caught:
         jls.hooks.raise_if_diverged(state)
+    # It says how to find the op: the state before a skipped step.
+    assert "jls.precision.explain_step(loss_fn, opt_state_before" in str(caught.value)
 
 
 def test_no_divergence_error_when_steps_recover():

@@ -29,12 +29,12 @@ LAYERS = [
     ["jls._finite"],
     ["jls._squares"],
     ["jls.hooks._hooks"],
+    ["jls.hooks._nonfinite_loss"],
     [
         "jls.hooks._norm",
         "jls.hooks._diagnostics",
         "jls.hooks._divergence",
         "jls.hooks._spikes",
-        "jls.hooks._nonfinite_loss",
         "jls.hooks._replicas",
         "jls.hooks._scale_stats",
         "jls.hooks._stagnation",

@@ -1,5 +1,9 @@
 """A non-finite loss skips its step, keeping the scale (`jls.hooks._nonfinite_loss`)."""
 
+# pyright: reportAttributeAccessIssue=false
+
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -69,3 +73,97 @@ def test_without_the_loss_the_step_is_as_before():
     )
     assert float(jls.metrics(state)["loss_scale"]) == 2.0**10
     assert bool(jls.metrics(state)["nonfinite_loss"])
+
+
+def _count(state):
+    return int(state.hooks["nonfinite_loss"].nonfinite)
+
+
+def _quiet(read, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return read(*args)
+
+
+@pytest.mark.parametrize("name", ["dynamic", "off"])
+def test_the_losses_not_finite_in_a_row_are_counted_and_warned_late_enough(name):
+    # One nan batch (or 7 in a row) is a healthy run's: no warning. The 8th
+    # in a row is a nan that stays (state outside the optimizer, data): every
+    # host reader warns, naming the remedies. Exact count, reset by a finite
+    # loss, on the skipping path and the off switch's.
+    scaler = jls.no_scale(skip_nonfinite=False) if name == "off" else SCALERS[name]
+    tx = jls.loss_scaling(optax.sgd(0.1), scaler)
+    step = jax.jit(lambda g, s, loss: jls.apply_gradients(tx, g, s, W, loss=loss))
+    grads = jax.tree.map(jnp.ones_like, W)
+    state, want = tx.init(W), 0
+    for loss in [1.0, np.nan, 1.0, *[np.nan] * 7, 1.0, *[np.nan] * 7]:
+        _, state = step(grads, state, jnp.float32(loss))
+        want = want + 1 if np.isnan(loss) else 0
+        assert _count(state) == want
+        assert bool(_quiet(jls.metrics, state)["nonfinite_loss"]) == (want > 0)
+        _quiet(jls.hooks.raise_if_diverged, state)
+    _, state = step(grads, state, jnp.float32(np.nan))
+    assert _count(state) == 8
+    jax.jit(jls.metrics)(state)  # under jit: no warning (it cannot)
+    said = "not finite for 8 or more steps.*keep_if_skipped.*explain_step"
+    with pytest.warns(RuntimeWarning, match=said):
+        assert bool(jls.metrics(state)["nonfinite_loss"])
+    with pytest.warns(RuntimeWarning, match=said):
+        jls.hooks.raise_if_diverged(state)
+
+
+def test_a_nan_kept_outside_the_optimizer_is_named_by_the_readers():
+    # The GAN case: a statistic outside the optimizer kept a nan (its
+    # BatchNorm update was not held on the skipped step), so every later
+    # loss is nan and every step skips, with the scale held.
+    def loss_fn(params, stat, x):
+        return jnp.mean((x @ params["w"]) ** 2) + stat
+
+    stagnation = jls.hooks.Stagnation(every=1)
+    tx = jls.loss_scaling(optax.sgd(0.1), SCALERS["dynamic"], hooks=[stagnation])
+    step = jax.jit(jls.train_step(loss_fn, tx))
+    params, state = W, tx.init(W)
+    for i in range(1, 17):
+        params, state, out = step(params, state, jnp.float32(np.nan), X)
+        assert bool(out.skipped) and _count(state) == i
+    assert float(jls.loss_scale_state(state).scale) == 2.0**10  # held
+    with pytest.warns(RuntimeWarning, match="for 16 or more steps") as caught:
+        jls.hooks.warn_if_stagnant(state)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    for name in ("jls.keep_if_skipped(", "jls.precision.explain_step(", "data"):
+        assert name in message, name
+
+
+def test_the_count_saturates():
+    tx = jls.loss_scaling(optax.sgd(0.1))
+    state = tx.init(W)
+    top = jnp.int32(np.iinfo(np.int32).max)
+    state = state._replace(
+        hooks={
+            **state.hooks,
+            "nonfinite_loss": type(state.hooks["nonfinite_loss"])(top),
+        }
+    )
+    _, state = tx.update(W, state, W, loss=jnp.float32(np.inf))
+    assert _count(state) == np.iinfo(np.int32).max
+
+
+def test_metrics_reads_no_count_of_an_unfinished_step():
+    # jls.metrics adds no sync: a step still running is read by a later call.
+    class Running:
+        def is_ready(self):
+            return False
+
+        def __array__(self, *args, **kwargs):
+            raise AssertionError("read before the step finished")
+
+    from jls.hooks._nonfinite_loss import NonfiniteLossState, warn_if_nonfinite_loss
+
+    state = jls.loss_scaling(optax.sgd(0.1)).init(W)
+    state = state._replace(
+        hooks={**state.hooks, "nonfinite_loss": NonfiniteLossState(Running())}  # type: ignore[arg-type]
+    )
+    warn_if_nonfinite_loss(state, wait=False)
+    with pytest.raises(AssertionError, match="before the step finished"):
+        warn_if_nonfinite_loss(state)

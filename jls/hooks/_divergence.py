@@ -16,6 +16,7 @@ from jax.experimental import checkify
 from jls._tree import loss_scale_state, plain
 from jls._validate import integer
 from jls.hooks._hooks import Hook, StepInfo, hook_state
+from jls.hooks._nonfinite_loss import warn_if_nonfinite_loss
 
 # The default divergence limit (MindSpore stops after 1000 skips in a row).
 DIVERGENCE_LIMIT = 1000
@@ -98,7 +99,8 @@ _CHECKIFY_FILE = os.path.join("jax", "_src", "checkify.py")
 def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) -> None:
     """Raises `DivergenceError` if the run has diverged.
 
-    On the host it reads the state (a sync point); inside ``jit`` it adds a
+    On the host it reads the state (a sync point) and warns as `jls.metrics`
+    does when the loss itself keeps being non-finite; inside ``jit`` it adds a
     ``jax.experimental.checkify`` check. It reads the sticky ``diverged`` flag
     (`jls.hooks.Divergence`), or with a limit compares ``consecutive_skips``.
 
@@ -148,11 +150,15 @@ def raise_if_diverged(opt_state: Any, max_consecutive_skips: int | None = None) 
             count=jnp.max(state.consecutive_skips),
             scale=jnp.min(state.scale),
         )
-    elif np.any(np.asarray(flags)):
+        return
+    warn_if_nonfinite_loss(opt_state)
+    if np.any(np.asarray(flags)):
         count = int(np.max(np.asarray(state.consecutive_skips)))
         raise DivergenceError(
             f"jls: loss scaling diverged: {count} consecutive skipped steps (limit "
             f"{limit}); loss scale {float(np.min(np.asarray(state.scale)))!r}. No "
             "update with non-finite gradients was applied; look for a nan in the "
-            "model or data, or a learning rate that is too high."
+            "model or data, or a learning rate that is too high. "
+            "jls.precision.explain_step(loss_fn, opt_state_before, *args) names "
+            "the op that overflowed in a step, given the state from before it."
         )

@@ -22,6 +22,7 @@ from jls._tree import plain
 from jls._validate import integer
 from jls.hooks._blocks import cut_axis, read_block
 from jls.hooks._hooks import Hook, StepInfo, hook_state
+from jls.hooks._nonfinite_loss import warn_if_nonfinite_loss
 
 
 class StagnationState(NamedTuple):
@@ -159,7 +160,8 @@ def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
 
     Reads `jls.hooks.Stagnation`'s ``stagnant_fraction`` on the host (a
     sync point) and warns, naming the remedies, once it is at least
-    ``threshold``.
+    ``threshold``. It also warns as `jls.metrics` does when the loss itself
+    keeps being non-finite.
 
     Args:
       opt_state: the optimizer state (batched too: the largest member's).
@@ -201,6 +203,7 @@ def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
             "transformation), where it cannot warn: call it on the host after "
             "the step, where you log metrics"
         )
+    warn_if_nonfinite_loss(opt_state)
     value = float(np.max(np.asarray(fraction)))
     if value >= threshold:
         warnings.warn(
