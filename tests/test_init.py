@@ -1,4 +1,4 @@
-"""The package: its public names (at most 60), lazy `jls.flax`, a quiet import."""
+"""The package: its public names (at most 61), lazy `jls.flax`, a quiet import."""
 
 # pyright: reportAttributeAccessIssue=false, reportArgumentType=false
 
@@ -86,9 +86,11 @@ def _public_names():
     return names
 
 
-def test_at_most_60_public_names():
+def test_at_most_61_public_names():
+    # 60 after jls 0.5 (1) closed the surface; jls.precision.explain_step is the
+    # 61st (0.5 (3)).
     names = _public_names()
-    assert len(names) <= 60, (len(names), sorted(names))
+    assert len(names) <= 61, (len(names), sorted(names))
     # The state types of the built-in hooks are records read through
     # jls.metrics, not names to import; the always-on hook is not a name to
     # pass; the state dicts are one pair.
