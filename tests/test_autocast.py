@@ -225,3 +225,21 @@ def test_a_cast_to_float16_inside_a_kept_scope_is_held_in_float32():
     kept = jls.precision.autocast(head16, float32="lm_head")
     got = kept(PARAMS["w1"], PARAMS["w2"], X)
     np.testing.assert_allclose(got, head_from(H16, PARAMS["w2"]), rtol=1e-6)
+
+
+def test_an_nnx_module_scoped_in_its_code_is_kept():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.body = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+            self.lm_head = nnx.Linear(16, 4, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            h = self.body(x)
+            with jax.named_scope("lm_head"):  # an nnx call adds no name
+                return self.lm_head(h)
+
+    cast = jls.precision.autocast(lambda m, x: m(x), float32="lm_head")
+    report = jls.precision.precision_report(cast, Model(), X)
+    assert [op.dtype for op in report.ops] == ["float16", "float32"]
