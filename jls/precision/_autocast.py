@@ -7,6 +7,7 @@ run again by `jls.precision._cast_eval`'s rules.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +39,9 @@ def is_nnx_module(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
-def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., Any]:
+def autocast(
+    fn: Callable[..., Any], dtype: Any = jnp.float16, *, float32: Any = None
+) -> Callable[..., Any]:
     """``fn`` with its matmuls in ``dtype`` and its range-sensitive ops in float32.
 
     Matmuls and convolutions compute in ``dtype``; softmax, ``exp``/``log``,
@@ -49,12 +52,18 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
     Args:
       fn: the function: a loss, a forward pass, a flax ``apply``.
       dtype: the compute dtype of the matmuls (float16, bfloat16).
+      float32: the ops kept in float32, matmuls too, forward and backward
+        (an LM head and its logsumexp): a name path or a tuple of them,
+        matching whole components of an op's name stack (``jax.named_scope``
+        names, linen module paths: ``"lm_head"``, ``"Decoder/lm_head"``), or
+        a predicate ``(primitive_name, name_stack) -> bool``.
 
     Returns:
       A function with ``fn``'s signature and result dtypes.
 
     Raises:
-      TypeError: if ``fn`` is not callable or ``dtype`` is not floating.
+      TypeError: if ``fn`` is not callable, ``dtype`` is not floating or
+        ``float32`` is none of the above.
 
     Example:
       >>> import jax, jax.numpy as jnp, jls
@@ -68,22 +77,45 @@ def autocast(fn: Callable[..., Any], dtype: Any = jnp.float16) -> Callable[..., 
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
-    dtype = floating_dtype("dtype", dtype)
+    dtype, keep = floating_dtype("dtype", dtype), _keep_rule(float32)
 
     @functools.wraps(fn)
     def cast_fn(*args: Any, **kwargs: Any) -> Any:
         found = jax.tree.leaves((args, kwargs), is_leaf=is_nnx_module)
         modules = list({id(m): m for m in found if is_nnx_module(m)}.values())
         if modules:
-            return _with_nnx(fn, dtype, modules, args, kwargs)
-        return _autocast_call(fn, dtype, args, kwargs)
+            return _with_nnx(fn, dtype, modules, args, kwargs, keep)
+        return _autocast_call(fn, dtype, args, kwargs, keep)
 
     return cast_fn
 
 
-def _autocast_call(fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
+def _keep_rule(float32: Any) -> Callable[..., Any] | None:
+    """``float32`` as a predicate ``(primitive_name, name_stack) -> bool``."""
+    if float32 is None or callable(float32):
+        return float32
+    names = (float32,) if isinstance(float32, str) else float32
+    ok = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
+    if not ok or not names or not all(n.strip("/") for n in names):
+        raise TypeError(
+            "float32 must be a name path, a tuple of them or a predicate "
+            f"(primitive_name, name_stack) -> bool, got {float32!r}"
+        )
+    paths = [n.strip("/").split("/") for n in names]
+
+    def keep(primitive: str, stack: str) -> bool:
+        # A component under a transform (``jvp(lm_head)``) is read bare.
+        parts = [re.sub(r"^(\w+\()+|\)+$", "", c) for c in stack.split("/")]
+        return any(parts[i : i + len(p)] == p for p in paths for i in range(len(parts)))
+
+    return keep
+
+
+def _autocast_call(
+    fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict, keep: Any = None
+) -> Any:
     traced = trace(fn, args, kwargs)
-    outs = evaluate(traced.closed, traced.arrays, dtype)
+    outs = evaluate(traced.closed, traced.arrays, dtype, keep)
     # Each result in the dtype fn returns it in (a constant, too).
     return traced.rebuild(
         x
@@ -101,7 +133,7 @@ class _Slot:
 
 
 def _with_nnx(
-    fn: Callable, dtype: np.dtype, modules: list, args: tuple, kwargs: dict
+    fn: Callable, dtype: np.dtype, modules: list, args: tuple, kwargs: dict, keep: Any
 ) -> Any:
     from flax import nnx
 
@@ -122,6 +154,6 @@ def _with_nnx(
         )
         return fn(*a, **k), nnx.state(copies)
 
-    out, after = _autocast_call(pure, dtype, (state, slotted), {})
+    out, after = _autocast_call(pure, dtype, (state, slotted), {}, keep)
     nnx.update(modules, after)
     return out

@@ -5,13 +5,18 @@ a matmul's (`jls.precision._primitives.CAST`) to the compute dtype, a
 range-sensitive op's (`jls.precision._primitives.FLOAT32`) to float32 at
 least, any other's promoted to the widest. A value computed wider is held
 wide (the program's cast back is not bound) until a dtype is required: a
-matmul's operand, an output, a loop's carry. Nested programs run by the same
-rules; ``custom_jvp``/``custom_vjp``, ``shard_map`` and callbacks as traced.
+matmul's operand, an output, a loop's carry. An equation the keep rule
+matches (its primitive's name and its whole name stack) computes in float32,
+a matmul or a cast to float16 too, its result held wide likewise. Nested
+programs run by the same rules; ``custom_jvp``/``custom_vjp``, ``shard_map``
+and callbacks as traced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -29,11 +34,27 @@ from jls.precision._interpret import (
 from jls.precision._primitives import CAST, FLOAT32
 
 _F32 = np.dtype(np.float32)
+# The keep rule, the name stack a nested program runs under (its own is relative).
+_KEEP: contextvars.ContextVar = contextvars.ContextVar("keep", default=(None, ""))
 
 
-def evaluate(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
-    """``closed`` (a ``ClosedJaxpr``) run on ``args``, autocast to ``dtype``."""
-    return _eval(closed.jaxpr, closed.consts, args, dtype)
+def evaluate(closed: Any, args: Sequence, dtype: np.dtype, keep: Any = None) -> list:
+    """``closed`` run on ``args``, autocast to ``dtype``, ``keep``'s ops in float32."""
+    token = _KEEP.set((keep, ""))
+    try:
+        return _eval(closed.jaxpr, closed.consts, args, dtype)
+    finally:
+        _KEEP.reset(token)
+
+
+@contextlib.contextmanager
+def _kept(eqn: Any) -> Iterator[bool]:
+    """Whether ``keep(primitive_name, name_stack)`` takes ``eqn``; evaluate resets."""
+    keep, outer = _KEEP.get()
+    names = "/".join(filter(None, (outer, str(eqn.source_info.name_stack))))
+    token = _KEEP.set((keep, names))  # the outer name stack of its nested programs
+    yield keep is not None and bool(keep(eqn.primitive.name, names))
+    _KEEP.reset(token)
 
 
 def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) -> list:
@@ -59,8 +80,8 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
         if _casts_back(eqn, invals, seen):
             outs = invals  # held in the wider dtype it was computed in
         else:
-            with located(eqn):
-                outs = _apply(eqn, invals, dtype)
+            with located(eqn), _kept(eqn) as kept:
+                outs = _apply(eqn, invals, _F32 if kept else dtype, kept)
         env.update(zip(eqn.outvars, outs, strict=True))
         for v, x in zip(eqn.outvars, outs, strict=True):
             narrowest[v] = min(seen, _width(v, x))
@@ -144,16 +165,19 @@ def _holds_program(value: Any) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
-def _apply(eqn: Any, invals: list, dtype: Any) -> list:
+def _apply(eqn: Any, invals: list, dtype: Any, kept: bool = False) -> list:
     name = eqn.primitive.name
     if name in _NESTED:
         return _NESTED[name](eqn, invals, dtype)
     if name in CAST:
         return _matmul(eqn, invals, dtype)
+    if kept and name == "convert_element_type" and _floating(eqn.params["new_dtype"]):
+        wide = jnp.promote_types(eqn.params["new_dtype"], _F32)  # not narrowed
+        return [_cast(invals[0], eqn.invars[0].aval, wide)]
     if any(_holds_program(v) for v in eqn.params.values()):
         return bind(eqn, _as_traced(eqn, invals))
     square = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x
-    floor = _F32 if name in FLOAT32 or square else None
+    floor = _F32 if name in FLOAT32 or square or kept else None
     try:
         return bind(eqn, _promote(eqn, invals, floor))
     except (TypeError, ValueError):  # an op that takes only its traced dtypes

@@ -125,11 +125,14 @@ class Policy:
         """This policy with another ``output_dtype``."""
         return dataclasses.replace(self, output_dtype=output_dtype)
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(
+        self, fn: Callable[..., Any], *, float32: Any = None
+    ) -> Callable[..., Any]:
         """``fn`` autocast to ``compute_dtype``, its results in ``output_dtype``.
 
-        `jls.precision.autocast`: the arguments are not cast, so the gradients
-        stay in ``param_dtype``. Wrap the loss.
+        `jls.precision.autocast` (``float32``: the ops it keeps in float32):
+        the arguments are not cast, so the gradients stay in ``param_dtype``.
+        Wrap the loss.
 
         Example:
           >>> import jax, jax.numpy as jnp, jls
@@ -140,7 +143,7 @@ class Policy:
           >>> report.counts, report.numerics["log"], loss(w, x).dtype.name
           ({'float16': 1}, {'float32': 1}, 'float32')
         """
-        cast = autocast(fn, self.compute_dtype)
+        cast = autocast(fn, self.compute_dtype, float32=float32)
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -35,11 +35,14 @@ class Op(NamedTuple):
       dtype: the dtype it computes in: its operands' common dtype.
       where: ``file:line`` of the user's layer (the innermost frame outside
         jax and the model libraries), or ``"?"``.
+      scope: its name stack within its program (``jax.named_scope`` names,
+        linen module paths: ``"Decoder/lm_head"``), or ``""``.
     """
 
     kind: str
     dtype: str
     where: str
+    scope: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +100,10 @@ class PrecisionReport:
         off = [op for op in self.ops if op.dtype != majority]
         if off:
             rows.append(f"not in {majority}:")
-            rows += [f"  {op.kind} {op.dtype} at {op.where}" for op in off]
+            rows += [
+                f"  {op.kind} {op.dtype} at {op.where} {op.scope}".rstrip()
+                for op in off
+            ]
         if self.numerics:
             rows.append("range-sensitive ops (softmax, exp, log, sums) by dtype:")
             rows += [
@@ -243,7 +249,9 @@ def _walk(jaxpr: Any, found: _Found, in_softmax: bool = False) -> None:
             # The operands' common dtype (a float16 and a float32: float32).
             operands = [v.aval.dtype for v in eqn.invars[:2]]
             dtype = np.dtype(jnp.promote_types(*operands)).name
-            found.ops.append(Op(name, dtype, _where(eqn)))
+            found.ops.append(
+                Op(name, dtype, _where(eqn), str(eqn.source_info.name_stack))
+            )
         elif name in COLLECTIVES:
             for sent in sorted({v.aval.dtype.name for v in eqn.invars if _floating(v)}):
                 found.collectives.append(Op(name, sent, _where(eqn)))

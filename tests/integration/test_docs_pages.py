@@ -321,6 +321,15 @@ def test_the_autocast_cell_prints_what_it_says():
     ]
 
 
+def test_the_float32_cell_prints_what_it_says():
+    ns, _ = run("howto/policy.md")
+    assert [(op.dtype, op.scope) for op in ns["grads"].ops[:2]] == [
+        ("float16", "jvp()"),
+        ("float32", "jvp(lm_head)"),
+    ]
+    assert ns["grads"].counts == {"float16": 2, "float32": 3}  # the cell's comment
+
+
 def test_the_spike_cell_has_the_metrics_it_names():
     ns, _ = run("howto/spikes.md")
     m = ns["m"]
