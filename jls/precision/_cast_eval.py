@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jls.precision._interpret import (
-    as_closed,
     bind,
+    interpret,
     is_literal,
     is_program,
     located,
-    read,
+    program,
 )
 from jls.precision._primitives import CAST, FLOAT32
 
@@ -33,25 +33,13 @@ _F32 = np.dtype(np.float32)
 
 def evaluate(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
     """``closed`` (a ``ClosedJaxpr``) run on ``args``, autocast to ``dtype``."""
-    return _eval(closed.jaxpr, closed.consts, args, dtype)
-
-
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) -> list:
-    env: dict[Any, Any] = {}
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
     # The narrowest floating width (bytes) each value was computed from.
-    narrowest = {v: _width(v, x) for v, x in env.items()}
-    # Drop each value after its last use, as jax's own evaluation does.
-    last = {
-        v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if not is_literal(v)
-    }
-    outputs = {v for v in jaxpr.outvars if not is_literal(v)}
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(v, env) for v in eqn.invars]
+    narrowest: dict[Any, int] = {}
+
+    def step(eqn: Any, invals: list) -> list:
         seen = min(
             [
-                _width(v, x) if is_literal(v) else narrowest[v]
+                _width(v, x) if is_literal(v) else narrowest.get(v) or _width(v, x)
                 for v, x in zip(eqn.invars, invals, strict=True)
             ],
             default=_WIDEST,
@@ -61,13 +49,11 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
         else:
             with located(eqn):
                 outs = _apply(eqn, invals, dtype)
-        env.update(zip(eqn.outvars, outs, strict=True))
         for v, x in zip(eqn.outvars, outs, strict=True):
             narrowest[v] = min(seen, _width(v, x))
-        for v in eqn.invars:
-            if not is_literal(v) and last.get(v) == i and v not in outputs:
-                env.pop(v, None)
-    return [read(v, env) for v in jaxpr.outvars]
+        return outs
+
+    return interpret(closed, args, step)
 
 
 _WIDEST = 16
@@ -107,11 +93,11 @@ def _cast(value: Any, aval: Any, dtype: Any) -> Any:
     return jax.lax.convert_element_type(value, dtype)
 
 
-def _as_traced(eqn: Any, invals: Sequence[Any]) -> list:
-    """The operands cast back to the dtypes the program traced them in."""
+def _as_traced(values: Sequence[Any], avals: Sequence[Any]) -> list:
+    """``values`` cast back to the floating dtypes the program traced them in."""
     return [
         _cast(x, v.aval, v.aval.dtype) if _floating(v.aval.dtype) else x
-        for v, x in zip(eqn.invars, invals, strict=True)
+        for x, v in zip(values, avals, strict=True)
     ]
 
 
@@ -151,19 +137,19 @@ def _apply(eqn: Any, invals: list, dtype: Any) -> list:
     if name in CAST:
         return _matmul(eqn, invals, dtype)
     if any(_holds_program(v) for v in eqn.params.values()):
-        return bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, _as_traced(invals, eqn.invars))
     square = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x
     floor = _F32 if name in FLOAT32 or square else None
     try:
         return bind(eqn, _promote(eqn, invals, floor))
     except (TypeError, ValueError):  # an op that takes only its traced dtypes
-        return bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, _as_traced(invals, eqn.invars))
 
 
 def _matmul(eqn: Any, invals: list, dtype: Any) -> list:
     a, b = (v.aval.dtype for v in eqn.invars[:2])
     if not (_floating(a) and _floating(b)):  # an integer (quantised) matmul
-        return bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, _as_traced(invals, eqn.invars))
     operands = zip(invals[:2], eqn.invars[:2], strict=True)
     invals = [_cast(x, v.aval, dtype) for x, v in operands] + list(invals[2:])
     params = dict(eqn.params)
@@ -177,71 +163,46 @@ def _run(closed: Any, dtype: Any, keep: Sequence[Any] | None = None) -> Callable
     """``closed`` as a function, its outputs cast to ``keep``'s dtypes if given."""
 
     def fn(*args: Any) -> list:
-        outs = _eval(closed.jaxpr, closed.consts, args, dtype)
-        if keep is None:
-            return outs
-        return [
-            _cast(x, v.aval, v.aval.dtype) if _floating(v.aval.dtype) else x
-            for x, v in zip(outs, keep, strict=True)
-        ]
+        outs = evaluate(closed, args, dtype)
+        return outs if keep is None else _as_traced(outs, keep)
 
     return fn
 
 
-def _jit(eqn: Any, invals: list, dtype: Any) -> list:
-    return _run(eqn.params["jaxpr"], dtype)(*invals)
-
-
-def _checkpoint(eqn: Any, invals: list, dtype: Any) -> list:
-    p = eqn.params
-    fn = jax.checkpoint(
-        _run(as_closed(p["jaxpr"]), dtype),
-        prevent_cse=p["prevent_cse"],
-        policy=p["policy"],
-    )
+def _call(eqn: Any, invals: list, dtype: Any) -> list:
+    fn = _run(program(eqn), dtype)
+    if eqn.primitive.name in ("remat2", "checkpoint"):
+        p = eqn.params
+        fn = jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])
     return list(fn(*invals))
 
 
 def _scan(eqn: Any, invals: list, dtype: Any) -> list:
     p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    consts, init, xs = (
-        invals[:n_consts],
-        invals[n_consts : n_consts + n_carry],
-        invals[n_consts + n_carry :],
-    )
-    carry_vars = eqn.invars[n_consts : n_consts + n_carry]
-    init = [
-        _cast(x, v.aval, v.aval.dtype) for x, v in zip(init, carry_vars, strict=True)
-    ]
-    inner = _run(p["jaxpr"], dtype)
+    nc, nk = p["num_consts"], p["num_carry"]
+    carry_vars, inner = eqn.invars[nc : nc + nk], _run(p["jaxpr"], dtype)
 
     def body(carry: list, x: list) -> tuple[list, list]:
-        outs = inner(*consts, *carry, *x)
-        kept = [
-            _cast(c, v.aval, v.aval.dtype)
-            for c, v in zip(outs[:n_carry], carry_vars, strict=True)
-        ]
-        return kept, outs[n_carry:]
+        outs = inner(*invals[:nc], *carry, *x)
+        return _as_traced(outs[:nk], carry_vars), outs[nk:]
 
-    carry, ys = jax.lax.scan(
-        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
-    )
+    init = _as_traced(invals[nc : nc + nk], carry_vars)
+    options = {k: p[k] for k in ("length", "reverse", "unroll")}
+    carry, ys = jax.lax.scan(body, init, invals[nc + nk :], **options)
     return [*carry, *ys]
 
 
 def _while(eqn: Any, invals: list, dtype: Any) -> list:
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
     carry_vars = eqn.invars[nc + nb :]
-    init = [
-        _cast(x, v.aval, v.aval.dtype) for x, v in zip(init, carry_vars, strict=True)
-    ]
     cond, body = _run(p["cond_jaxpr"], dtype), _run(p["body_jaxpr"], dtype, carry_vars)
+    init = _as_traced(invals[nc + nb :], carry_vars)
     return list(
         jax.lax.while_loop(
-            lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), init
+            lambda c: cond(*invals[:nc], *c)[0],
+            lambda c: body(*invals[nc : nc + nb], *c),
+            init,
         )
     )
 
@@ -253,13 +214,7 @@ def _cond(eqn: Any, invals: list, dtype: Any) -> list:
 
 
 _NESTED: dict[str, Callable[[Any, list, Any], list]] = {
-    "jit": _jit,
-    "pjit": _jit,
-    "closed_call": lambda eqn, invals, dtype: _run(eqn.params["call_jaxpr"], dtype)(
-        *invals
-    ),
-    "remat2": _checkpoint,
-    "checkpoint": _checkpoint,
+    **dict.fromkeys(("jit", "pjit", "closed_call", "remat2", "checkpoint"), _call),
     "scan": _scan,
     "while": _while,
     "cond": _cond,

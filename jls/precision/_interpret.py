@@ -8,7 +8,7 @@ reached, so a change to ``jax.extend`` breaks those and not loss scaling.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -80,6 +80,34 @@ def is_program(value: Any) -> bool:
 def as_closed(jaxpr: Any) -> Any:
     """An open ``Jaxpr`` (a ``checkpoint``'s) as a ``ClosedJaxpr`` of no constants."""
     return jcore.ClosedJaxpr(jaxpr, ())
+
+
+def program(eqn: Any) -> Any:
+    """The program a call (``jit``, ``closed_call``, ``checkpoint``...) runs, closed."""
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return inner if isinstance(inner, jcore.ClosedJaxpr) else as_closed(inner)
+
+
+def interpret(closed: Any, args: Sequence[Any], step: Callable) -> list:
+    """``closed`` run on ``args``, each equation's outputs ``step(eqn, invals)``.
+
+    Each value is dropped after its last use, as jax's own evaluation does.
+    """
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    last = {
+        v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if not is_literal(v)
+    }
+    kept = {v for v in jaxpr.outvars if not is_literal(v)}
+    for i, eqn in enumerate(jaxpr.eqns):
+        env.update(
+            zip(eqn.outvars, step(eqn, [read(v, env) for v in eqn.invars]), strict=True)
+        )
+        for v in eqn.invars:
+            if not is_literal(v) and last.get(v) == i and v not in kept:
+                env.pop(v, None)
+    return [read(v, env) for v in jaxpr.outvars]
 
 
 @contextlib.contextmanager

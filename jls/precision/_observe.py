@@ -1,14 +1,8 @@
-"""The interpreter behind `explain_step`: every op of a program, observed.
+"""The interpreter behind `explain_step`: every floating value an op makes, measured.
 
-`observe` binds each equation of a closed jaxpr again (under the caller's
-``jit``) and measures every floating value an op makes, once: its largest
-``|x|``, inf or nan if an entry is (a `Record`); each op's `Site` says which
-measures are its value's and its operands'. An op that only moves a value (a
-reshape) is measured as the value it moved. Nested ``jit``,
-``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``while_loop`` and
-``cond`` programs are observed inside: a loop's ops at every iteration, a
-``cond``'s in the branch taken. Any other op with a program (``shard_map``,
-``pmap``) is observed as one op.
+`observe` binds each equation again and measures each value once (its largest
+``|x|``); nested calls, loops (every iteration) and ``cond`` (the branch taken)
+are observed inside, any other op with a program (``shard_map``) as one op.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls.precision._interpret import as_closed, bind, is_literal, read
+from jls.precision._interpret import bind, interpret, is_literal, program
 
 _F32 = np.dtype(np.float32)
 _NEVER = np.float32(np.inf)
@@ -49,12 +43,7 @@ _FLUSH = frozenset({"convert_element_type"})
 
 
 class Site(NamedTuple):
-    """An observed op: what the report shows, and its entries in a `Record`.
-
-    ``outs``/``ins`` index its value's and its operands' measures, ``flush``
-    its flush count, ``made`` (inside a loop) the first iteration it made a
-    non-finite value.
-    """
+    """An observed op: what the report shows, and its entries in a `Record`."""
 
     pass_: str
     primitive: str
@@ -63,30 +52,23 @@ class Site(NamedTuple):
     dtype: str
     inputs: str
     in_loop: int | None  # its outermost enclosing loop, if any
-    outs: tuple[int, ...]
-    ins: tuple[int, ...]
-    flush: int | None
-    made: int | None
+    outs: tuple[int, ...]  # its value's entries in `Record.top`
+    ins: tuple[int, ...]  # its operands'
+    flush: int | None  # its entry in `Record.flush` (a cast's)
+    made: int | None  # its entry in `Record.made` (in a loop)
 
 
 class Record(NamedTuple):
-    """What a program's run measured, each a float32 vector.
+    """What a run measured, float32 vectors (a loop's: up to its first overflow)."""
 
-    ``top``: each value's largest ``|x|`` (inf or nan if any entry is);
-    ``flush``: nonzero operands flushed to zero; ``made``: the first
-    iteration a loop's op made a non-finite value from finite operands (else
-    inf). A loop's figures are over its iterations up to the first in which
-    an op made a non-finite value.
-    """
-
-    top: Any
-    flush: Any
-    made: Any
+    top: Any  # each value's largest |x|: inf or nan if an entry is
+    flush: Any  # a cast's nonzero operands flushed to zero
+    made: Any  # the first iteration a loop's op made a non-finite value, else inf
 
 
 class _Ctx(NamedTuple):
     names: str  # the enclosing equations' name stacks
-    loop: int | None
+    loop: int | None  # the outermost enclosing loop
 
 
 def _shift(s: Site, by: Sequence[int]) -> Site:
@@ -131,11 +113,7 @@ def _floating(v: Any) -> bool:
 # its own, a function of its own in the program, and the program compiles
 # several times slower.
 def _measure(x: Any) -> Any:
-    """The largest ``|x|``, float32 ``(1,)``: inf or nan if any entry is.
-
-    No count of the infs and nans: it would compile the program half as
-    slowly again.
-    """
+    """The largest ``|x|``, float32 ``(1,)`` (no count of infs: slower to compile)."""
     x = lax.abs(jnp.asarray(x))  # reduced whole: a sharded value is not reshaped
     return lax.reshape(lax.convert_element_type(_all(lax.reduce_max, x), _F32), (1,))
 
@@ -175,22 +153,15 @@ def _observe_op(eqn: Any, invals: list, outs: list, log: _Log, index: Callable) 
             lax.bitwise_not(functools.reduce(lax.bitwise_and, finite[: len(out_ix)])),
         )
         made = log.add(2, lax.select(made_, _ZEROS, _NEVERS))
-    log.sites.append(_site(eqn, log.ctx, out_ix, in_ix, flush, made))
-
-
-def _site(eqn: Any, ctx: _Ctx, *entries: Any) -> Site:
-    names = f"{ctx.names}/{eqn.source_info.name_stack}"
+    names = f"{log.ctx.names}/{eqn.source_info.name_stack}"
     dtype = next(v.aval.dtype.name for v in eqn.outvars if _floating(v))
     ins = ", ".join(v.aval.str_short() for v in eqn.invars if _floating(v))
     pass_ = "backward" if BACKWARD in names.split("/") else "forward"
-    site = (pass_, eqn.primitive.name, eqn.source_info, names, dtype, ins, ctx.loop)
-    return Site(*site, *entries)
+    site = (pass_, name, eqn.source_info, names, dtype, ins, log.ctx.loop)
+    log.sites.append(Site(*site, out_ix, in_ix, flush, made))
 
 
 def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
-    jaxpr, ctx = closed.jaxpr, log.ctx
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
     seen: dict[Any, int] = {}  # each value measured once, however often read
     alias: dict[Any, Any] = {}  # a value only moved: the one it was moved from
 
@@ -206,21 +177,20 @@ def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
             seen[v] = i
         return i
 
-    for eqn in jaxpr.eqns:
-        invals = [read(v, env) for v in eqn.invars]
-        nested = _NESTED.get(eqn.primitive.name)
-        if nested is not None:
-            names = f"{ctx.names}/{eqn.source_info.name_stack}"
-            outs = nested(eqn, invals, _Log(ctx._replace(names=names)), log)
-        else:
-            outs = bind(eqn, invals)
-            if eqn.primitive.name in _SAME and not is_literal(eqn.invars[0]):
-                source = eqn.invars[0]
-                alias[eqn.outvars[0]] = alias.get(source, (source, invals[0]))
-            elif any(_floating(v) for v in eqn.outvars):
-                _observe_op(eqn, invals, outs, log, index)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v, env) for v in jaxpr.outvars]
+    def step(eqn: Any, invals: list) -> list:
+        name = eqn.primitive.name
+        if name in _NESTED:
+            names = f"{log.ctx.names}/{eqn.source_info.name_stack}"
+            return _NESTED[name](eqn, invals, _Log(log.ctx._replace(names=names)), log)
+        outs = bind(eqn, invals)
+        if name in _SAME and not is_literal(eqn.invars[0]):
+            source = eqn.invars[0]
+            alias[eqn.outvars[0]] = alias.get(source, (source, invals[0]))
+        elif any(_floating(v) for v in eqn.outvars):
+            _observe_op(eqn, invals, outs, log, index)
+        return outs
+
+    return interpret(closed, args, step)
 
 
 def _traced(closed: Any, ctx: _Ctx) -> tuple[Callable, list, list]:
@@ -239,18 +209,12 @@ def _traced(closed: Any, ctx: _Ctx) -> tuple[Callable, list, list]:
     return fn, sites, [r.shape[0] for r in jax.eval_shape(lambda *a: fn(*a)[1], *specs)]
 
 
-def _call(key: str) -> Callable:
-    def call(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
-        closed = eqn.params[key]
-        name = eqn.params.get("name", "")  # a jit's function name
-        inner.ctx = inner.ctx._replace(names=f"{inner.ctx.names}/{name}")
-        outs = _eval(
-            closed if hasattr(closed, "consts") else as_closed(closed), invals, inner
-        )
-        log.merge(inner.sites, inner.record())
-        return outs
-
-    return call
+def _call(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+    name = eqn.params.get("name", "")  # a jit's function name
+    inner.ctx = inner.ctx._replace(names=f"{inner.ctx.names}/{name}")
+    outs = _eval(program(eqn), invals, inner)
+    log.merge(inner.sites, inner.record())
+    return outs
 
 
 def _idle(sizes: Sequence[int]) -> Record:
@@ -332,15 +296,9 @@ def _cond(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
 
 
 _LOOPS = itertools.count()
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 _NESTED: dict[str, Callable[[Any, list, _Log, _Log], list]] = {
-    "jit": _call("jaxpr"),
-    "pjit": _call("jaxpr"),
-    "closed_call": _call("call_jaxpr"),
-    "core_call": _call("call_jaxpr"),
-    "custom_jvp_call": _call("call_jaxpr"),
-    "custom_vjp_call": _call("call_jaxpr"),
-    "remat2": _call("jaxpr"),
-    "checkpoint": _call("jaxpr"),
+    **dict.fromkeys((*_CALLS, "custom_jvp_call", "custom_vjp_call"), _call),
     "scan": _scan,
     "while": _while,
     "cond": _cond,
@@ -348,10 +306,7 @@ _NESTED: dict[str, Callable[[Any, list, _Log, _Log], list]] = {
 
 
 def observe(closed: Any, args: Sequence[Any]) -> tuple[list, list, Record]:
-    """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`.
-
-    Ops under the name scope `BACKWARD` are the backward pass's.
-    """
+    """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`."""
     log = _Log(_Ctx("", None))
     outs = _eval(closed, args, log)
     return outs, log.sites, log.record()
