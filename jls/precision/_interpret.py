@@ -62,6 +62,12 @@ def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Traced:
     return Traced(closed, arrays, rebuild)
 
 
+def is_floating(v: Any) -> bool:
+    """Whether an equation's variable is a floating array (not a token)."""
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
 def is_literal(v: Any) -> bool:
     """Whether an equation's operand is a constant inlined into the program."""
     return isinstance(v, jcore.Literal)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls.precision._interpret import bind, interpret, is_literal, program
+from jls.precision._interpret import bind, interpret, is_floating, is_literal, program
 
 _F32 = np.dtype(np.float32)
 _NEVER = np.float32(np.inf)
@@ -66,11 +66,6 @@ class Record(NamedTuple):
     made: Any  # the first iteration a loop's op made a non-finite value, else inf
 
 
-class _Ctx(NamedTuple):
-    names: str  # the enclosing equations' name stacks
-    loop: int | None  # the outermost enclosing loop
-
-
 def _shift(s: Site, by: Sequence[int]) -> Site:
     """``s`` with its entries moved ``by`` (the top, flush and made offsets)."""
     return s._replace(
@@ -84,8 +79,9 @@ def _shift(s: Site, by: Sequence[int]) -> Site:
 class _Log:
     """The sites and the measures of one program's run, as they are made."""
 
-    def __init__(self, ctx: _Ctx) -> None:
-        self.ctx, self.sites = ctx, []
+    def __init__(self, names: str, loop: int | None) -> None:
+        # The enclosing equations' name stacks, the outermost enclosing loop.
+        self.names, self.loop, self.sites = names, loop, []
         self.parts: tuple[list, ...] = ([], [], [])
         self.sizes = [0, 0, 0]
         self.values: dict[int, Any] = {}
@@ -102,11 +98,6 @@ class _Log:
 
     def record(self) -> Record:
         return Record(*(lax.concatenate(p, 0) if p else _EMPTY for p in self.parts))
-
-
-def _floating(v: Any) -> bool:
-    dtype = getattr(v.aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 # The measures are written in lax, not jnp: each jnp function is a jit of
@@ -135,29 +126,27 @@ def _observe_op(eqn: Any, invals: list, outs: list, log: _Log, index: Callable) 
     """``eqn``'s site, its measures (and in a loop, whether it made a non-finite)."""
     name = eqn.primitive.name
     pairs = zip(eqn.outvars, outs, strict=True)
-    out_ix = tuple(index(v, x) for v, x in pairs if _floating(v))
+    out_ix = tuple(index(v, x) for v, x in pairs if is_floating(v))
     pairs = zip(eqn.invars, invals, strict=True)
     in_ix = tuple(
         index(v, x)
         for v, x in pairs
-        if _floating(v) and (name in MOVES or not is_literal(v))
+        if is_floating(v) and (name in MOVES or not is_literal(v))
     )
     flush = made = None
     if name in _FLUSH and all(np.shape(x) in ((), outs[0].shape) for x in invals):
         flush = log.add(1, _flushed(invals, outs[0]))
-    if log.ctx.loop is not None:  # some value not finite, every operand finite
+    if log.loop is not None:  # some value not finite, every operand finite
         finite = [lax.le(log.values[i], _BIG) for i in (*out_ix, *in_ix)]
-        made_ = functools.reduce(lax.bitwise_and, finite[len(out_ix) :], _TRUE)
-        made_ = lax.bitwise_and(
-            made_,
-            lax.bitwise_not(functools.reduce(lax.bitwise_and, finite[: len(out_ix)])),
-        )
+        ins_ok = functools.reduce(lax.bitwise_and, finite[len(out_ix) :], _TRUE)
+        outs_ok = functools.reduce(lax.bitwise_and, finite[: len(out_ix)])
+        made_ = lax.bitwise_and(ins_ok, lax.bitwise_not(outs_ok))
         made = log.add(2, lax.select(made_, _ZEROS, _NEVERS))
-    names = f"{log.ctx.names}/{eqn.source_info.name_stack}"
-    dtype = next(v.aval.dtype.name for v in eqn.outvars if _floating(v))
-    ins = ", ".join(v.aval.str_short() for v in eqn.invars if _floating(v))
+    names = f"{log.names}/{eqn.source_info.name_stack}"
+    dtype = next(v.aval.dtype.name for v in eqn.outvars if is_floating(v))
+    ins = ", ".join(v.aval.str_short() for v in eqn.invars if is_floating(v))
     pass_ = "backward" if BACKWARD in names.split("/") else "forward"
-    site = (pass_, name, eqn.source_info, names, dtype, ins, log.ctx.loop)
+    site = (pass_, name, eqn.source_info, names, dtype, ins, log.loop)
     log.sites.append(Site(*site, out_ix, in_ix, flush, made))
 
 
@@ -180,25 +169,25 @@ def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
     def step(eqn: Any, invals: list) -> list:
         name = eqn.primitive.name
         if name in _NESTED:
-            names = f"{log.ctx.names}/{eqn.source_info.name_stack}"
-            return _NESTED[name](eqn, invals, _Log(log.ctx._replace(names=names)), log)
+            names = f"{log.names}/{eqn.source_info.name_stack}"
+            return _NESTED[name](eqn, invals, _Log(names, log.loop), log)
         outs = bind(eqn, invals)
         if name in _SAME and not is_literal(eqn.invars[0]):
             source = eqn.invars[0]
             alias[eqn.outvars[0]] = alias.get(source, (source, invals[0]))
-        elif any(_floating(v) for v in eqn.outvars):
+        elif any(is_floating(v) for v in eqn.outvars):
             _observe_op(eqn, invals, outs, log, index)
         return outs
 
     return interpret(closed, args, step)
 
 
-def _traced(closed: Any, ctx: _Ctx) -> tuple[Callable, list, list]:
+def _traced(closed: Any, names: str, loop: Any) -> tuple[Callable, list, list]:
     """``closed`` as ``fn(*args) -> (outs, record)``, its sites, its record's sizes."""
     sites: list = []
 
     def fn(*args: Any) -> tuple[list, Record]:
-        log = _Log(ctx)
+        log = _Log(names, loop)
         outs = _eval(closed, args, log)
         sites[:] = log.sites
         return outs, log.record()
@@ -211,7 +200,7 @@ def _traced(closed: Any, ctx: _Ctx) -> tuple[Callable, list, list]:
 
 def _call(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
     name = eqn.params.get("name", "")  # a jit's function name
-    inner.ctx = inner.ctx._replace(names=f"{inner.ctx.names}/{name}")
+    inner.names += f"/{name}"
     outs = _eval(program(eqn), invals, inner)
     log.merge(inner.sites, inner.record())
     return outs
@@ -236,8 +225,7 @@ def _combine(acc: Record, new: Record, i: Any) -> Record:
 
 def _loop(closed: Any, consts: list, init: list, inner: _Log) -> tuple:
     """The body of a loop over ``(carry, record, i)``, observed, and its sites."""
-    ctx = inner.ctx
-    fn, sites, n = _traced(closed, ctx if ctx.loop else ctx._replace(loop=next(_LOOPS)))
+    fn, sites, n = _traced(closed, inner.names, inner.loop or next(_LOOPS))
 
     def body(carry: tuple, x: Sequence = ()) -> tuple:
         outs, record = fn(*consts, *carry[0], *x)
@@ -265,7 +253,9 @@ def _while(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
     )
 
     def cond(carry: tuple) -> Any:
-        return _eval(p["cond_jaxpr"], [*invals[:nc], *carry[0]], _Log(inner.ctx))[0]
+        return _eval(
+            p["cond_jaxpr"], [*invals[:nc], *carry[0]], _Log(inner.names, inner.loop)
+        )[0]
 
     carry, acc, _ = jax.lax.while_loop(cond, lambda c: body(c)[0], start)
     log.merge(sites, acc)
@@ -274,7 +264,7 @@ def _while(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
 
 def _cond(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
     index, *operands = invals
-    traced = [_traced(b, inner.ctx) for b in eqn.params["branches"]]
+    traced = [_traced(b, inner.names, inner.loop) for b in eqn.params["branches"]]
     sizes = np.array([n for _, _, n in traced])
     starts = np.cumsum(sizes, 0) - sizes
 
@@ -307,6 +297,6 @@ _NESTED: dict[str, Callable[[Any, list, _Log, _Log], list]] = {
 
 def observe(closed: Any, args: Sequence[Any]) -> tuple[list, list, Record]:
     """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`."""
-    log = _Log(_Ctx("", None))
+    log = _Log("", None)
     outs = _eval(closed, args, log)
     return outs, log.sites, log.record()
