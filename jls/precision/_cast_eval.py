@@ -19,11 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jls.precision._interpret import (
+    as_traced,
     bind,
+    cast,
+    dtype_of,
     interpret,
     is_literal,
     is_program,
     located,
+    loop,
     program,
 )
 from jls.precision._primitives import CAST, FLOAT32
@@ -70,7 +74,7 @@ def _casts_back(eqn: Any, invals: list, seen: int) -> bool:
     """Whether ``eqn`` narrows a value to a width it was computed from."""
     if eqn.primitive.name != "convert_element_type":
         return False
-    to, now = np.dtype(eqn.params["new_dtype"]), _dtype(invals[0], eqn.invars[0].aval)
+    to, now = np.dtype(eqn.params["new_dtype"]), dtype_of(invals[0], eqn.invars[0].aval)
     return _floating(to) and _floating(now) and seen <= to.itemsize < now.itemsize
 
 
@@ -82,25 +86,6 @@ def _floating(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def _dtype(value: Any, aval: Any) -> np.dtype:
-    """The dtype ``value`` has now (a Python scalar: the one it was traced as)."""
-    return np.dtype(getattr(value, "dtype", aval.dtype))
-
-
-def _cast(value: Any, aval: Any, dtype: Any) -> Any:
-    if _dtype(value, aval) == dtype:  # unchanged (a literal is bound as it is)
-        return value
-    return jax.lax.convert_element_type(value, dtype)
-
-
-def _as_traced(values: Sequence[Any], avals: Sequence[Any]) -> list:
-    """``values`` cast back to the floating dtypes the program traced them in."""
-    return [
-        _cast(x, v.aval, v.aval.dtype) if _floating(v.aval.dtype) else x
-        for x, v in zip(values, avals, strict=True)
-    ]
-
-
 def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
     """Operands traced in one dtype brought to one dtype again (the widest)."""
     groups: dict[np.dtype, list[int]] = {}
@@ -109,7 +94,7 @@ def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
             groups.setdefault(np.dtype(v.aval.dtype), []).append(i)
     out = list(invals)
     for members in groups.values():
-        now = [_dtype(out[i], eqn.invars[i].aval) for i in members]
+        now = [dtype_of(out[i], eqn.invars[i].aval) for i in members]
         # A literal is a scalar the program inlined (``h * 2.0``): weak.
         weak = [_is_weak(eqn.invars[i]) for i in members]
         strong = [d for d, w in zip(now, weak, strict=True) if not w]
@@ -117,7 +102,7 @@ def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
         if floor is not None:
             target = jnp.promote_types(target, floor)
         for i in members:
-            out[i] = _cast(out[i], eqn.invars[i].aval, target)
+            out[i] = cast(out[i], eqn.invars[i].aval, target)
     return out
 
 
@@ -137,21 +122,21 @@ def _apply(eqn: Any, invals: list, dtype: Any) -> list:
     if name in CAST:
         return _matmul(eqn, invals, dtype)
     if any(_holds_program(v) for v in eqn.params.values()):
-        return bind(eqn, _as_traced(invals, eqn.invars))
+        return bind(eqn, as_traced(invals, eqn.invars))
     square = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x
     floor = _F32 if name in FLOAT32 or square else None
     try:
         return bind(eqn, _promote(eqn, invals, floor))
     except (TypeError, ValueError):  # an op that takes only its traced dtypes
-        return bind(eqn, _as_traced(invals, eqn.invars))
+        return bind(eqn, as_traced(invals, eqn.invars))
 
 
 def _matmul(eqn: Any, invals: list, dtype: Any) -> list:
     a, b = (v.aval.dtype for v in eqn.invars[:2])
     if not (_floating(a) and _floating(b)):  # an integer (quantised) matmul
-        return bind(eqn, _as_traced(invals, eqn.invars))
+        return bind(eqn, as_traced(invals, eqn.invars))
     operands = zip(invals[:2], eqn.invars[:2], strict=True)
-    invals = [_cast(x, v.aval, dtype) for x, v in operands] + list(invals[2:])
+    invals = [cast(x, v.aval, dtype) for x, v in operands] + list(invals[2:])
     params = dict(eqn.params)
     preferred = params.get("preferred_element_type")
     if preferred is not None and np.dtype(preferred) == jnp.promote_types(a, b):
@@ -159,63 +144,35 @@ def _matmul(eqn: Any, invals: list, dtype: Any) -> list:
     return bind(eqn, invals, params)
 
 
-def _run(closed: Any, dtype: Any, keep: Sequence[Any] | None = None) -> Callable:
-    """``closed`` as a function, its outputs cast to ``keep``'s dtypes if given."""
-
-    def fn(*args: Any) -> list:
-        outs = evaluate(closed, args, dtype)
-        return outs if keep is None else _as_traced(outs, keep)
-
-    return fn
-
-
 def _call(eqn: Any, invals: list, dtype: Any) -> list:
-    fn = _run(program(eqn), dtype)
+    def fn(*args: Any) -> list:
+        return evaluate(program(eqn), args, dtype)
+
     if eqn.primitive.name in ("remat2", "checkpoint"):
         p = eqn.params
         fn = jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])
     return list(fn(*invals))
 
 
-def _scan(eqn: Any, invals: list, dtype: Any) -> list:
-    p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    carry_vars, inner = eqn.invars[nc : nc + nk], _run(p["jaxpr"], dtype)
+def _loop(eqn: Any, invals: list, dtype: Any) -> list:
+    def run(closed: Any) -> Callable:
+        return lambda state, *args: (state, evaluate(closed, args, dtype))
 
-    def body(carry: list, x: list) -> tuple[list, list]:
-        outs = inner(*invals[:nc], *carry, *x)
-        return _as_traced(outs[:nk], carry_vars), outs[nk:]
-
-    init = _as_traced(invals[nc : nc + nk], carry_vars)
-    options = {k: p[k] for k in ("length", "reverse", "unroll")}
-    carry, ys = jax.lax.scan(body, init, invals[nc + nk :], **options)
-    return [*carry, *ys]
-
-
-def _while(eqn: Any, invals: list, dtype: Any) -> list:
-    p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    carry_vars = eqn.invars[nc + nb :]
-    cond, body = _run(p["cond_jaxpr"], dtype), _run(p["body_jaxpr"], dtype, carry_vars)
-    init = _as_traced(invals[nc + nb :], carry_vars)
-    return list(
-        jax.lax.while_loop(
-            lambda c: cond(*invals[:nc], *c)[0],
-            lambda c: body(*invals[nc : nc + nb], *c),
-            init,
-        )
-    )
+    return loop(eqn, invals, run, ())[1]
 
 
 def _cond(eqn: Any, invals: list, dtype: Any) -> list:
+    def branch(closed: Any) -> Callable:  # its outputs in the traced dtypes
+        return lambda *args: as_traced(evaluate(closed, args, dtype), eqn.outvars)
+
     index, *operands = invals
-    branches = [_run(b, dtype, eqn.outvars) for b in eqn.params["branches"]]
+    branches = [branch(b) for b in eqn.params["branches"]]
     return list(jax.lax.switch(index, branches, *operands))
 
 
 _NESTED: dict[str, Callable[[Any, list, Any], list]] = {
     **dict.fromkeys(("jit", "pjit", "closed_call", "remat2", "checkpoint"), _call),
-    "scan": _scan,
-    "while": _while,
+    "scan": _loop,
+    "while": _loop,
     "cond": _cond,
 }

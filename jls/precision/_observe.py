@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls.precision._interpret import bind, interpret, is_floating, is_literal, program
+from jls.precision._interpret import (
+    bind,
+    interpret,
+    is_floating,
+    is_literal,
+    loop,
+    program,
+)
 
 _F32 = np.dtype(np.float32)
 _NEVER = np.float32(np.inf)
@@ -211,55 +218,36 @@ def _idle(sizes: Sequence[int]) -> Record:
     return Record(*(jnp.full(n, v, _F32) for n, v in zip(sizes, _IDLE, strict=True)))
 
 
-def _combine(acc: Record, new: Record, i: Any) -> Record:
-    """A loop's record after iteration ``i``.
+def _combine(state: tuple, new: Record) -> tuple:
+    """A loop's record and iteration count after one more iteration.
 
     Its figures stop growing after the first iteration an op made a
     non-finite value, so that op's operands are shown as they were then.
     """
+    acc, i = state
     made = jnp.minimum(acc.made, jnp.where(new.made < _NEVER, i, _NEVER))
     done = jnp.min(acc.made, initial=_NEVER) < _NEVER
     top = jnp.where(done, acc.top, jnp.maximum(acc.top, new.top))
-    return Record(top, jnp.where(done, acc.flush, acc.flush + new.flush), made)
+    return Record(top, jnp.where(done, acc.flush, acc.flush + new.flush), made), i + 1
 
 
-def _loop(closed: Any, consts: list, init: list, inner: _Log) -> tuple:
-    """The body of a loop over ``(carry, record, i)``, observed, and its sites."""
-    fn, sites, n = _traced(closed, inner.names, inner.loop or next(_LOOPS))
+def _loop(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+    """A ``scan`` or ``while``, its body's record carried over the iterations."""
+    body = eqn.params["jaxpr" if eqn.primitive.name == "scan" else "body_jaxpr"]
+    fn, sites, n = _traced(body, inner.names, inner.loop or next(_LOOPS))
 
-    def body(carry: tuple, x: Sequence = ()) -> tuple:
-        outs, record = fn(*consts, *carry[0], *x)
-        new = (outs[: len(init)], _combine(carry[1], record, carry[2]), carry[2] + 1)
-        return new, outs[len(init) :]
+    def run(closed: Any) -> Callable:
+        def step(state: tuple, *args: Any) -> tuple:
+            if closed is not body:  # a while's condition: not observed
+                return state, _eval(closed, args, _Log(inner.names, inner.loop))
+            outs, record = fn(*args)
+            return _combine(state, record), outs
 
-    return body, (list(init), _idle(n), jnp.float32(0)), sites
+        return step
 
-
-def _scan(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
-    p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    body, start, sites = _loop(p["jaxpr"], invals[:nc], invals[nc : nc + nk], inner)
-    options = {k: p[k] for k in ("length", "reverse", "unroll")}
-    (carry, acc, _), ys = jax.lax.scan(body, start, invals[nc + nk :], **options)
+    (acc, _), outs = loop(eqn, invals, run, (_idle(n), jnp.float32(0)))
     log.merge(sites, acc)
-    return [*carry, *ys]
-
-
-def _while(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
-    p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    body, start, sites = _loop(
-        p["body_jaxpr"], invals[nc : nc + nb], invals[nc + nb :], inner
-    )
-
-    def cond(carry: tuple) -> Any:
-        return _eval(
-            p["cond_jaxpr"], [*invals[:nc], *carry[0]], _Log(inner.names, inner.loop)
-        )[0]
-
-    carry, acc, _ = jax.lax.while_loop(cond, lambda c: body(c)[0], start)
-    log.merge(sites, acc)
-    return list(carry)
+    return outs
 
 
 def _cond(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
@@ -289,8 +277,8 @@ _LOOPS = itertools.count()
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 _NESTED: dict[str, Callable[[Any, list, _Log, _Log], list]] = {
     **dict.fromkeys((*_CALLS, "custom_jvp_call", "custom_vjp_call"), _call),
-    "scan": _scan,
-    "while": _while,
+    "scan": _loop,
+    "while": _loop,
     "cond": _cond,
 }
 
