@@ -78,10 +78,6 @@ def _casts_back(eqn: Any, invals: list, seen: int) -> bool:
     return _floating(to) and _floating(now) and seen <= to.itemsize < now.itemsize
 
 
-def _is_weak(v: Any) -> bool:
-    return is_literal(v) or v.aval.weak_type
-
-
 def _floating(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
@@ -96,7 +92,9 @@ def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
     for members in groups.values():
         now = [dtype_of(out[i], eqn.invars[i].aval) for i in members]
         # A literal is a scalar the program inlined (``h * 2.0``): weak.
-        weak = [_is_weak(eqn.invars[i]) for i in members]
+        weak = [
+            is_literal(v) or v.aval.weak_type for v in (eqn.invars[i] for i in members)
+        ]
         strong = [d for d, w in zip(now, weak, strict=True) if not w]
         target = jnp.result_type(*(strong or now))
         if floor is not None:

@@ -43,9 +43,8 @@ MOVES = frozenset(
 # Ops that move a value without making or dropping any of it: not observed
 # (their value is measured as the one they moved).
 _SAME = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "copy"})
-# Ops whose zero from a nonzero operand is an underflow: the casts, where
-# float16 values are made from float32 ones (checking every product would
-# compile the program a third slower again; an exp to zero is no underflow).
+# Ops whose zero from a nonzero operand is an underflow: the casts (checking
+# every product compiles slower; an exp to zero is no underflow).
 _FLUSH = frozenset({"convert_element_type"})
 
 
@@ -219,11 +218,7 @@ def _idle(sizes: Sequence[int]) -> Record:
 
 
 def _combine(state: tuple, new: Record) -> tuple:
-    """A loop's record and iteration count after one more iteration.
-
-    Its figures stop growing after the first iteration an op made a
-    non-finite value, so that op's operands are shown as they were then.
-    """
+    """A loop's record after one more iteration: frozen after its first overflow."""
     acc, i = state
     made = jnp.minimum(acc.made, jnp.where(new.made < _NEVER, i, _NEVER))
     done = jnp.min(acc.made, initial=_NEVER) < _NEVER
