@@ -1,8 +1,9 @@
-"""The one place jls reads and re-runs jaxprs: what `autocast` and the report share.
+"""The one place jls reads and re-runs jaxprs: what its interpreters share.
 
-Reading a program needs ``jax.extend``, imported here only; ``jls.precision``
-imports this module when `autocast`, `Policy` or `precision_report` is first
-reached, so a change to ``jax.extend`` breaks those and not loss scaling.
+Autocast, the report and the explainer only say what they do differently.
+Reading a program needs ``jax.extend``, imported here only (when
+``jls.precision``'s tools are first reached), so a change to it breaks those
+and not loss scaling.
 """
 
 from __future__ import annotations
