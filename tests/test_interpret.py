@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jls.precision._interpret import as_closed, bind, is_array, is_literal, read, trace
+from jls.precision._interpret import (
+    as_closed,
+    bind,
+    interpret,
+    is_array,
+    is_literal,
+    loop,
+    read,
+    trace,
+)
 
 
 def _run(closed, *args):
@@ -69,3 +78,40 @@ def test_a_literal_is_read_from_the_program_and_an_open_jaxpr_closes():
     assert float(read(eqn.invars[1], {})) == 3.0
     again = as_closed(closed.jaxpr)
     assert again.consts == [] and again.jaxpr is closed.jaxpr
+
+
+def test_interpret_gives_each_equation_to_step_and_drops_dead_values():
+    closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0 + x)(1.0)
+    seen = []
+
+    def step(eqn, invals):
+        seen.append(eqn.primitive.name)
+        return bind(eqn, invals)
+
+    assert interpret(closed, [jnp.float32(1.0)], step) == _run(closed, 1.0)
+    assert seen == ["sin", "mul", "add"]
+
+
+def test_loop_threads_a_state_and_keeps_the_carry_in_its_traced_dtype():
+    def f(c, xs):
+        c, ys = jax.lax.scan(lambda c, x: (c * x, c + x), c, xs)
+        return jax.lax.while_loop(lambda c: c < 100, lambda c: c * 2, c), ys
+
+    c, xs = jnp.float16(1), jnp.arange(1, 4, dtype=jnp.float16)
+    scan, while_ = jax.make_jaxpr(f)(c, xs).jaxpr.eqns
+
+    def run(closed):  # each program run wide, the state counting its runs
+        def fn(n, *args):
+            outs = _run(closed, *args)
+            wide = [
+                x.astype(jnp.float32) if x.dtype == jnp.float16 else x for x in outs
+            ]
+            return n + 1, wide
+
+        return fn
+
+    n, (carry, ys) = loop(scan, [c, xs], run, 0)
+    assert (n, carry, carry.dtype) == (3, 6, jnp.float16)
+    assert ys.dtype == jnp.float32  # what the iterations return: as computed
+    n, (carry,) = loop(while_, [carry], run, 0)
+    assert (n, carry, carry.dtype) == (5, 192, jnp.float16)

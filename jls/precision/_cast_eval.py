@@ -24,12 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jls.precision._interpret import (
-    as_closed,
+    as_traced,
     bind,
+    cast,
+    dtype_of,
+    interpret,
     is_literal,
     is_program,
     located,
-    read,
+    loop,
+    program,
 )
 from jls.precision._primitives import CAST, FLOAT32
 
@@ -42,7 +46,7 @@ def evaluate(closed: Any, args: Sequence, dtype: np.dtype, keep: Any = None) -> 
     """``closed`` run on ``args``, autocast to ``dtype``, ``keep``'s ops in float32."""
     token = _KEEP.set((keep, ""))
     try:
-        return _eval(closed.jaxpr, closed.consts, args, dtype)
+        return _evaluate(closed, args, dtype)
     finally:
         _KEEP.reset(token)
 
@@ -57,22 +61,15 @@ def _kept(eqn: Any) -> Iterator[bool]:
     _KEEP.reset(token)
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) -> list:
-    env: dict[Any, Any] = {}
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+def _evaluate(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
+    """``closed`` (a ``ClosedJaxpr``) run on ``args``, autocast to ``dtype``."""
     # The narrowest floating width (bytes) each value was computed from.
-    narrowest = {v: _width(v, x) for v, x in env.items()}
-    # Drop each value after its last use, as jax's own evaluation does.
-    last = {
-        v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if not is_literal(v)
-    }
-    outputs = {v for v in jaxpr.outvars if not is_literal(v)}
-    for i, eqn in enumerate(jaxpr.eqns):
-        invals = [read(v, env) for v in eqn.invars]
+    narrowest: dict[Any, int] = {}
+
+    def step(eqn: Any, invals: list) -> list:
         seen = min(
             [
-                _width(v, x) if is_literal(v) else narrowest[v]
+                _width(v, x) if is_literal(v) else narrowest.get(v) or _width(v, x)
                 for v, x in zip(eqn.invars, invals, strict=True)
             ],
             default=_WIDEST,
@@ -82,13 +79,11 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], dtype: Any) ->
         else:
             with located(eqn), _kept(eqn) as kept:
                 outs = _apply(eqn, invals, _F32 if kept else dtype, kept)
-        env.update(zip(eqn.outvars, outs, strict=True))
         for v, x in zip(eqn.outvars, outs, strict=True):
             narrowest[v] = min(seen, _width(v, x))
-        for v in eqn.invars:
-            if not is_literal(v) and last.get(v) == i and v not in outputs:
-                env.pop(v, None)
-    return [read(v, env) for v in jaxpr.outvars]
+        return outs
+
+    return interpret(closed, args, step)
 
 
 _WIDEST = 16
@@ -105,35 +100,12 @@ def _casts_back(eqn: Any, invals: list, seen: int) -> bool:
     """Whether ``eqn`` narrows a value to a width it was computed from."""
     if eqn.primitive.name != "convert_element_type":
         return False
-    to, now = np.dtype(eqn.params["new_dtype"]), _dtype(invals[0], eqn.invars[0].aval)
+    to, now = np.dtype(eqn.params["new_dtype"]), dtype_of(invals[0], eqn.invars[0].aval)
     return _floating(to) and _floating(now) and seen <= to.itemsize < now.itemsize
-
-
-def _is_weak(v: Any) -> bool:
-    return is_literal(v) or v.aval.weak_type
 
 
 def _floating(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _dtype(value: Any, aval: Any) -> np.dtype:
-    """The dtype ``value`` has now (a Python scalar: the one it was traced as)."""
-    return np.dtype(getattr(value, "dtype", aval.dtype))
-
-
-def _cast(value: Any, aval: Any, dtype: Any) -> Any:
-    if _dtype(value, aval) == dtype:  # unchanged (a literal is bound as it is)
-        return value
-    return jax.lax.convert_element_type(value, dtype)
-
-
-def _as_traced(eqn: Any, invals: Sequence[Any]) -> list:
-    """The operands cast back to the dtypes the program traced them in."""
-    return [
-        _cast(x, v.aval, v.aval.dtype) if _floating(v.aval.dtype) else x
-        for v, x in zip(eqn.invars, invals, strict=True)
-    ]
 
 
 def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
@@ -144,15 +116,17 @@ def _promote(eqn: Any, invals: list, floor: np.dtype | None = None) -> list:
             groups.setdefault(np.dtype(v.aval.dtype), []).append(i)
     out = list(invals)
     for members in groups.values():
-        now = [_dtype(out[i], eqn.invars[i].aval) for i in members]
+        now = [dtype_of(out[i], eqn.invars[i].aval) for i in members]
         # A literal is a scalar the program inlined (``h * 2.0``): weak.
-        weak = [_is_weak(eqn.invars[i]) for i in members]
+        weak = [
+            is_literal(v) or v.aval.weak_type for v in (eqn.invars[i] for i in members)
+        ]
         strong = [d for d, w in zip(now, weak, strict=True) if not w]
         target = jnp.result_type(*(strong or now))
         if floor is not None:
             target = jnp.promote_types(target, floor)
         for i in members:
-            out[i] = _cast(out[i], eqn.invars[i].aval, target)
+            out[i] = cast(out[i], eqn.invars[i].aval, target)
     return out
 
 
@@ -173,23 +147,23 @@ def _apply(eqn: Any, invals: list, dtype: Any, kept: bool = False) -> list:
         return _matmul(eqn, invals, dtype)
     if kept and name == "convert_element_type" and _floating(eqn.params["new_dtype"]):
         wide = jnp.promote_types(eqn.params["new_dtype"], _F32)  # not narrowed
-        return [_cast(invals[0], eqn.invars[0].aval, wide)]
+        return [cast(invals[0], eqn.invars[0].aval, wide)]
     if any(_holds_program(v) for v in eqn.params.values()):
-        return bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, as_traced(invals, eqn.invars))
     square = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x
     floor = _F32 if name in FLOAT32 or square or kept else None
     try:
         return bind(eqn, _promote(eqn, invals, floor))
     except (TypeError, ValueError):  # an op that takes only its traced dtypes
-        return bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, as_traced(invals, eqn.invars))
 
 
 def _matmul(eqn: Any, invals: list, dtype: Any) -> list:
     a, b = (v.aval.dtype for v in eqn.invars[:2])
     if not (_floating(a) and _floating(b)):  # an integer (quantised) matmul
-        return bind(eqn, _as_traced(eqn, invals))
+        return bind(eqn, as_traced(invals, eqn.invars))
     operands = zip(invals[:2], eqn.invars[:2], strict=True)
-    invals = [_cast(x, v.aval, dtype) for x, v in operands] + list(invals[2:])
+    invals = [cast(x, v.aval, dtype) for x, v in operands] + list(invals[2:])
     params = dict(eqn.params)
     preferred = params.get("preferred_element_type")
     if preferred is not None and np.dtype(preferred) == jnp.promote_types(a, b):
@@ -197,94 +171,35 @@ def _matmul(eqn: Any, invals: list, dtype: Any) -> list:
     return bind(eqn, invals, params)
 
 
-def _run(closed: Any, dtype: Any, keep: Sequence[Any] | None = None) -> Callable:
-    """``closed`` as a function, its outputs cast to ``keep``'s dtypes if given."""
-
+def _call(eqn: Any, invals: list, dtype: Any) -> list:
     def fn(*args: Any) -> list:
-        outs = _eval(closed.jaxpr, closed.consts, args, dtype)
-        if keep is None:
-            return outs
-        return [
-            _cast(x, v.aval, v.aval.dtype) if _floating(v.aval.dtype) else x
-            for x, v in zip(outs, keep, strict=True)
-        ]
+        return _evaluate(program(eqn), args, dtype)
 
-    return fn
-
-
-def _jit(eqn: Any, invals: list, dtype: Any) -> list:
-    return _run(eqn.params["jaxpr"], dtype)(*invals)
-
-
-def _checkpoint(eqn: Any, invals: list, dtype: Any) -> list:
-    p = eqn.params
-    fn = jax.checkpoint(
-        _run(as_closed(p["jaxpr"]), dtype),
-        prevent_cse=p["prevent_cse"],
-        policy=p["policy"],
-    )
+    if eqn.primitive.name in ("remat2", "checkpoint"):
+        p = eqn.params
+        fn = jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])
     return list(fn(*invals))
 
 
-def _scan(eqn: Any, invals: list, dtype: Any) -> list:
-    p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
-    consts, init, xs = (
-        invals[:n_consts],
-        invals[n_consts : n_consts + n_carry],
-        invals[n_consts + n_carry :],
-    )
-    carry_vars = eqn.invars[n_consts : n_consts + n_carry]
-    init = [
-        _cast(x, v.aval, v.aval.dtype) for x, v in zip(init, carry_vars, strict=True)
-    ]
-    inner = _run(p["jaxpr"], dtype)
+def _loop(eqn: Any, invals: list, dtype: Any) -> list:
+    def run(closed: Any) -> Callable:
+        return lambda state, *args: (state, _evaluate(closed, args, dtype))
 
-    def body(carry: list, x: list) -> tuple[list, list]:
-        outs = inner(*consts, *carry, *x)
-        kept = [
-            _cast(c, v.aval, v.aval.dtype)
-            for c, v in zip(outs[:n_carry], carry_vars, strict=True)
-        ]
-        return kept, outs[n_carry:]
-
-    carry, ys = jax.lax.scan(
-        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
-    )
-    return [*carry, *ys]
-
-
-def _while(eqn: Any, invals: list, dtype: Any) -> list:
-    p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-    carry_vars = eqn.invars[nc + nb :]
-    init = [
-        _cast(x, v.aval, v.aval.dtype) for x, v in zip(init, carry_vars, strict=True)
-    ]
-    cond, body = _run(p["cond_jaxpr"], dtype), _run(p["body_jaxpr"], dtype, carry_vars)
-    return list(
-        jax.lax.while_loop(
-            lambda c: cond(*cconsts, *c)[0], lambda c: body(*bconsts, *c), init
-        )
-    )
+    return loop(eqn, invals, run, ())[1]
 
 
 def _cond(eqn: Any, invals: list, dtype: Any) -> list:
+    def branch(closed: Any) -> Callable:  # its outputs in the traced dtypes
+        return lambda *args: as_traced(_evaluate(closed, args, dtype), eqn.outvars)
+
     index, *operands = invals
-    branches = [_run(b, dtype, eqn.outvars) for b in eqn.params["branches"]]
+    branches = [branch(b) for b in eqn.params["branches"]]
     return list(jax.lax.switch(index, branches, *operands))
 
 
 _NESTED: dict[str, Callable[[Any, list, Any], list]] = {
-    "jit": _jit,
-    "pjit": _jit,
-    "closed_call": lambda eqn, invals, dtype: _run(eqn.params["call_jaxpr"], dtype)(
-        *invals
-    ),
-    "remat2": _checkpoint,
-    "checkpoint": _checkpoint,
-    "scan": _scan,
-    "while": _while,
+    **dict.fromkeys(("jit", "pjit", "closed_call", "remat2", "checkpoint"), _call),
+    "scan": _loop,
+    "while": _loop,
     "cond": _cond,
 }

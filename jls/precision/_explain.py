@@ -1,11 +1,7 @@
 """`explain_step`: where a step overflowed, its op, line, layer and pass.
 
-The step's forward and backward are traced as one program (``jax.vjp``, the
-pullback under the name scope `jls.precision._observe.BACKWARD`) and run
-again under one ``jit`` by `jls.precision._observe.observe`, which measures
-every floating value an op makes. On the host the measures name the first
-op, in program order, that made a value non-finite from finite operands, and
-the ops nearest their dtype's maximum. Nothing of this runs unless called.
+The forward and backward (``jax.vjp``, the pullback under the name scope
+`BACKWARD`) are observed under one ``jit``; nothing runs unless called.
 """
 
 from __future__ import annotations
@@ -43,19 +39,14 @@ class Op(NamedTuple):
       pass_: ``"forward"`` or ``"backward"``.
       primitive: the jax primitive (``exp``, ``dot_general``...).
       where: ``file:line`` of the user's code that made it.
-      layer: ``names in calls``: the name stack (flax linen and equinox
-        module names, ``jax.named_scope`` s) and the calls from the loss
-        function down (flax nnx modules by class: ``loss > Block >
-        LayerNorm``).
+      layer: ``names in calls``: the name stack and the calls from the loss
+        down (``loss > Block > LayerNorm``).
       dtype: the dtype of its value.
       inputs: the shapes and dtypes of its floating operands.
-      in_max: the operands' largest ``|x|``: inf or nan if an entry is
-        (inside a loop: over the iterations up to the first that overflowed).
+      in_max: the operands' largest ``|x|`` (inf or nan if an entry is).
       out_max: the same of its value.
-      flushed: for a cast, the nonzero values it turned into zero: an
-        underflow.
-      iteration: inside a ``scan`` or ``while``, the (outermost loop's)
-        iteration where it first made a non-finite value; else ``None``.
+      flushed: for a cast, the nonzero values it turned into zero.
+      iteration: in a loop, the iteration it first made a non-finite value.
     """
 
     pass_: str
@@ -95,15 +86,11 @@ class StepReport:
     Attributes:
       scale: the loss scale the step ran with.
       loss: the unscaled loss.
-      grads_finite: whether every scaled gradient was finite (the step
-        would be applied).
-      first: the first op, in program order, whose value left its dtype's
-        range (inf or nan) while its operands were finite; ``None`` if none.
-      nonfinite_args: the paths of argument leaves already not finite (a
-        corrupted state: no op is to blame then).
-      least_headroom: the ops whose values came nearest their dtype's
-        maximum, nearest first: those that overflow next as the scale grows
-        (a backward value grows with the scale).
+      grads_finite: whether every scaled gradient was finite.
+      nonfinite_args: the paths of argument leaves already not finite.
+      first: the first op, in program order, to make inf or nan from finite
+        operands; ``None`` if none.
+      least_headroom: the ops nearest their dtype's maximum, nearest first.
       first_flush: the first cast that flushed nonzero values to zero.
     """
 
@@ -197,25 +184,16 @@ def explain_step(
 ) -> StepReport:
     """Runs a step's forward and backward again and says where it overflowed.
 
-    ``loss_fn(*args, **kwargs)`` is differentiated with respect to
-    ``args[argnums]``'s floating arrays, its loss scaled as `jls.scale_loss`
-    scales it; every op of the forward and the backward (nested ``jit``,
-    ``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``while_loop``
-    and ``cond`` included) is checked for values out of its dtype's range
-    under one ``jit``, on sharded arrays as ``jit`` runs them. A ``scan`` or
-    ``while_loop``'s ops are checked at every iteration (their figures are
-    over the iterations up to the first that overflowed). A ``shard_map`` or
-    ``pmap`` is checked as one op: to look inside, call it on the per-device
-    loss with one device's shard. Nothing runs on a normal step: the cost is
-    paid here, a compilation and a run of the step's forward and backward.
+    ``loss_fn`` is differentiated with respect to ``args[argnums]``'s
+    floating arrays, its loss scaled as `jls.scale_loss` scales it, and every
+    op of the forward and backward is checked under one ``jit`` (a
+    ``shard_map`` as one op). The cost, a compilation and a run, is paid
+    here only; docs/howto/why_skip.md says more.
 
     Args:
-      loss_fn: the unscaled loss, as the step differentiates it (nnx and
-        equinox modules among its arguments).
-      opt_state: the state the step ran with: an optimizer state containing
-        a `jls.LossScaleState` (its scale, as `jls.metrics` reads it), or the
-        scale itself. A skipped step has backed the scale off already: pass
-        the state before the step, or its scale.
+      loss_fn: the unscaled loss, as the step differentiates it.
+      opt_state: the state the step ran with (before a skipped step backed
+        the scale off), holding a `jls.LossScaleState`, or the scale itself.
       *args: the step's arguments.
       argnums: which arguments the gradients are taken of.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -223,10 +201,8 @@ def explain_step(
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
-      A frozen ``StepReport``: the first op that overflowed (pass,
-      primitive, line, layer, dtype, what went in), the ops nearest
-      overflow, and the arguments already not finite; ``str(report)`` is a
-      short text report.
+      A ``StepReport``: the first op that overflowed, the ops nearest
+      overflow, the arguments already not finite.
 
     Example:
       >>> import jax.numpy as jnp, jls
@@ -262,13 +238,7 @@ def explain_step(
 
 
 def _source(names: str, info: Any) -> tuple[str, str]:
-    """``file:line`` and the layer: ``names in calls``.
-
-    The line is the innermost of the user's own frames (else of a model
-    library's). The names are the name stack's (flax linen and equinox
-    modules, ``jax.named_scope`` s), the calls the user's frames from the
-    loss down (and the model library's without a name stack: flax nnx).
-    """
+    """``file:line`` of the innermost user frame and the layer, ``names in calls``."""
     parts = []
     for part in names.split("/"):
         while (m := _WRAPPER.match(part)) is not None:
@@ -294,10 +264,7 @@ def _source(names: str, info: Any) -> tuple[str, str]:
 
 
 def _report(sites: list, record: Record, head: tuple, top: int) -> StepReport:
-    """The first op that made a non-finite value, the first flush, the least headroom.
-
-    The first in program order; in a loop, by its iteration, then as written.
-    """
+    """The first op to make a non-finite value, the first flush, least headroom."""
     ops, keys, starts = [], [], {}
     for k, s in enumerate(sites):
         out_max = float(np.max(record.top[list(s.outs)]))

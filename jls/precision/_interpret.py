@@ -1,14 +1,15 @@
-"""The one place jls reads and re-runs jaxprs: what `autocast` and the report share.
+"""The one place jls reads and re-runs jaxprs: what its interpreters share.
 
-Reading a program needs ``jax.extend``, imported here only; ``jls.precision``
-imports this module when `autocast`, `Policy` or `precision_report` is first
-reached, so a change to ``jax.extend`` breaks those and not loss scaling.
+Autocast, the report and the explainer only say what they do differently.
+Reading a program needs ``jax.extend``, imported here only (when
+``jls.precision``'s tools are first reached), so a change to it breaks those
+and not loss scaling.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -62,6 +63,32 @@ def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Traced:
     return Traced(closed, arrays, rebuild)
 
 
+def is_floating(v: Any) -> bool:
+    """Whether an equation's variable is a floating array (not a token)."""
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def dtype_of(value: Any, aval: Any) -> np.dtype:
+    """The dtype ``value`` has now (a Python scalar: the one it was traced as)."""
+    return np.dtype(getattr(value, "dtype", aval.dtype))
+
+
+def cast(value: Any, aval: Any, dtype: Any) -> Any:
+    """``value`` in ``dtype`` (unchanged if it is: a literal is bound as it is)."""
+    if dtype_of(value, aval) == dtype:
+        return value
+    return jax.lax.convert_element_type(value, dtype)
+
+
+def as_traced(values: Sequence[Any], variables: Sequence[Any]) -> list:
+    """``values`` cast back to the floating dtypes ``variables`` were traced in."""
+    return [
+        cast(x, v.aval, v.aval.dtype) if is_floating(v) else x
+        for x, v in zip(values, variables, strict=True)
+    ]
+
+
 def is_literal(v: Any) -> bool:
     """Whether an equation's operand is a constant inlined into the program."""
     return isinstance(v, jcore.Literal)
@@ -80,6 +107,34 @@ def is_program(value: Any) -> bool:
 def as_closed(jaxpr: Any) -> Any:
     """An open ``Jaxpr`` (a ``checkpoint``'s) as a ``ClosedJaxpr`` of no constants."""
     return jcore.ClosedJaxpr(jaxpr, ())
+
+
+def program(eqn: Any) -> Any:
+    """The program a call (``jit``, ``closed_call``, ``checkpoint``...) runs, closed."""
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return inner if isinstance(inner, jcore.ClosedJaxpr) else as_closed(inner)
+
+
+def interpret(closed: Any, args: Sequence[Any], step: Callable) -> list:
+    """``closed`` run on ``args``, each equation's outputs ``step(eqn, invals)``.
+
+    Each value is dropped after its last use, as jax's own evaluation does.
+    """
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    last = {
+        v: i for i, e in enumerate(jaxpr.eqns) for v in e.invars if not is_literal(v)
+    }
+    kept = {v for v in jaxpr.outvars if not is_literal(v)}
+    for i, eqn in enumerate(jaxpr.eqns):
+        env.update(
+            zip(eqn.outvars, step(eqn, [read(v, env) for v in eqn.invars]), strict=True)
+        )
+        for v in eqn.invars:
+            if not is_literal(v) and last.get(v) == i and v not in kept:
+                env.pop(v, None)
+    return [read(v, env) for v in jaxpr.outvars]
 
 
 @contextlib.contextmanager
@@ -102,3 +157,33 @@ def bind(eqn: Any, invals: Any, params: dict | None = None) -> list:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *invals, **bound)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def loop(eqn: Any, invals: list, run: Callable, state: Any) -> tuple[Any, list]:
+    """A ``scan`` or ``while`` run again, its carry kept in its traced dtypes.
+
+    ``run(closed)`` is a program as ``fn(state, *args) -> (state, outs)``;
+    ``state`` goes through the iterations and comes back with the outputs.
+    """
+    p, scan = eqn.params, eqn.primitive.name == "scan"
+    nc = p["num_consts"] if scan else p["cond_nconsts"] + p["body_nconsts"]
+    nk = p["num_carry"] if scan else len(invals) - nc
+    consts = invals[0 if scan else p["cond_nconsts"] : nc]
+    keep, body = eqn.invars[nc : nc + nk], run(p["jaxpr" if scan else "body_jaxpr"])
+
+    def step(carry: tuple, x: Sequence = ()) -> tuple:
+        new, outs = body(carry[0], *consts, *carry[1], *x)
+        return (new, as_traced(outs[:nk], keep)), outs[nk:]
+
+    init = (state, as_traced(invals[nc : nc + nk], keep))
+    if scan:
+        options = {k: p[k] for k in ("length", "reverse", "unroll")}
+        (state, carry), ys = jax.lax.scan(step, init, invals[nc + nk :], **options)
+        return state, [*carry, *ys]
+    cond, cond_consts = run(p["cond_jaxpr"]), invals[: p["cond_nconsts"]]
+
+    def go_on(carry: tuple) -> Any:
+        return cond(carry[0], *cond_consts, *carry[1])[1][0]
+
+    state, carry = jax.lax.while_loop(go_on, lambda c: step(c)[0], init)
+    return state, list(carry)

@@ -1,14 +1,8 @@
-"""The interpreter behind `explain_step`: every op of a program, observed.
+"""The interpreter behind `explain_step`: every floating value an op makes, measured.
 
-`observe` binds each equation of a closed jaxpr again (under the caller's
-``jit``) and measures every floating value an op makes, once: its largest
-``|x|``, inf or nan if an entry is (a `Record`); each op's `Site` says which
-measures are its value's and its operands'. An op that only moves a value (a
-reshape) is measured as the value it moved. Nested ``jit``,
-``custom_jvp``/``custom_vjp``, ``checkpoint``, ``scan``, ``while_loop`` and
-``cond`` programs are observed inside: a loop's ops at every iteration, a
-``cond``'s in the branch taken. Any other op with a program (``shard_map``,
-``pmap``) is observed as one op.
+`observe` binds each equation again and measures each value once (its largest
+``|x|``); nested calls, loops (every iteration) and ``cond`` (the branch taken)
+are observed inside, any other op with a program (``shard_map``) as one op.
 """
 
 from __future__ import annotations
@@ -23,7 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jls.precision._interpret import as_closed, bind, is_literal, read
+from jls.precision._interpret import (
+    bind,
+    interpret,
+    is_floating,
+    is_literal,
+    loop,
+    program,
+)
 
 _F32 = np.dtype(np.float32)
 _NEVER = np.float32(np.inf)
@@ -42,19 +43,13 @@ MOVES = frozenset(
 # Ops that move a value without making or dropping any of it: not observed
 # (their value is measured as the one they moved).
 _SAME = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "copy"})
-# Ops whose zero from a nonzero operand is an underflow: the casts, where
-# float16 values are made from float32 ones (checking every product would
-# compile the program a third slower again; an exp to zero is no underflow).
+# Ops whose zero from a nonzero operand is an underflow: the casts (checking
+# every product compiles slower; an exp to zero is no underflow).
 _FLUSH = frozenset({"convert_element_type"})
 
 
 class Site(NamedTuple):
-    """An observed op: what the report shows, and its entries in a `Record`.
-
-    ``outs``/``ins`` index its value's and its operands' measures, ``flush``
-    its flush count, ``made`` (inside a loop) the first iteration it made a
-    non-finite value.
-    """
+    """An observed op: what the report shows, and its entries in a `Record`."""
 
     pass_: str
     primitive: str
@@ -63,30 +58,18 @@ class Site(NamedTuple):
     dtype: str
     inputs: str
     in_loop: int | None  # its outermost enclosing loop, if any
-    outs: tuple[int, ...]
-    ins: tuple[int, ...]
-    flush: int | None
-    made: int | None
+    outs: tuple[int, ...]  # its value's entries in `Record.top`
+    ins: tuple[int, ...]  # its operands'
+    flush: int | None  # its entry in `Record.flush` (a cast's)
+    made: int | None  # its entry in `Record.made` (in a loop)
 
 
 class Record(NamedTuple):
-    """What a program's run measured, each a float32 vector.
+    """What a run measured, float32 vectors (a loop's: up to its first overflow)."""
 
-    ``top``: each value's largest ``|x|`` (inf or nan if any entry is);
-    ``flush``: nonzero operands flushed to zero; ``made``: the first
-    iteration a loop's op made a non-finite value from finite operands (else
-    inf). A loop's figures are over its iterations up to the first in which
-    an op made a non-finite value.
-    """
-
-    top: Any
-    flush: Any
-    made: Any
-
-
-class _Ctx(NamedTuple):
-    names: str  # the enclosing equations' name stacks
-    loop: int | None
+    top: Any  # each value's largest |x|: inf or nan if an entry is
+    flush: Any  # a cast's nonzero operands flushed to zero
+    made: Any  # the first iteration a loop's op made a non-finite value, else inf
 
 
 def _shift(s: Site, by: Sequence[int]) -> Site:
@@ -102,8 +85,9 @@ def _shift(s: Site, by: Sequence[int]) -> Site:
 class _Log:
     """The sites and the measures of one program's run, as they are made."""
 
-    def __init__(self, ctx: _Ctx) -> None:
-        self.ctx, self.sites = ctx, []
+    def __init__(self, names: str, loop: int | None) -> None:
+        # The enclosing equations' name stacks, the outermost enclosing loop.
+        self.names, self.loop, self.sites = names, loop, []
         self.parts: tuple[list, ...] = ([], [], [])
         self.sizes = [0, 0, 0]
         self.values: dict[int, Any] = {}
@@ -122,20 +106,11 @@ class _Log:
         return Record(*(lax.concatenate(p, 0) if p else _EMPTY for p in self.parts))
 
 
-def _floating(v: Any) -> bool:
-    dtype = getattr(v.aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
 # The measures are written in lax, not jnp: each jnp function is a jit of
 # its own, a function of its own in the program, and the program compiles
 # several times slower.
 def _measure(x: Any) -> Any:
-    """The largest ``|x|``, float32 ``(1,)``: inf or nan if any entry is.
-
-    No count of the infs and nans: it would compile the program half as
-    slowly again.
-    """
+    """The largest ``|x|``, float32 ``(1,)`` (no count of infs: slower to compile)."""
     x = lax.abs(jnp.asarray(x))  # reduced whole: a sharded value is not reshaped
     return lax.reshape(lax.convert_element_type(_all(lax.reduce_max, x), _F32), (1,))
 
@@ -157,40 +132,31 @@ def _observe_op(eqn: Any, invals: list, outs: list, log: _Log, index: Callable) 
     """``eqn``'s site, its measures (and in a loop, whether it made a non-finite)."""
     name = eqn.primitive.name
     pairs = zip(eqn.outvars, outs, strict=True)
-    out_ix = tuple(index(v, x) for v, x in pairs if _floating(v))
+    out_ix = tuple(index(v, x) for v, x in pairs if is_floating(v))
     pairs = zip(eqn.invars, invals, strict=True)
     in_ix = tuple(
         index(v, x)
         for v, x in pairs
-        if _floating(v) and (name in MOVES or not is_literal(v))
+        if is_floating(v) and (name in MOVES or not is_literal(v))
     )
     flush = made = None
     if name in _FLUSH and all(np.shape(x) in ((), outs[0].shape) for x in invals):
         flush = log.add(1, _flushed(invals, outs[0]))
-    if log.ctx.loop is not None:  # some value not finite, every operand finite
+    if log.loop is not None:  # some value not finite, every operand finite
         finite = [lax.le(log.values[i], _BIG) for i in (*out_ix, *in_ix)]
-        made_ = functools.reduce(lax.bitwise_and, finite[len(out_ix) :], _TRUE)
-        made_ = lax.bitwise_and(
-            made_,
-            lax.bitwise_not(functools.reduce(lax.bitwise_and, finite[: len(out_ix)])),
-        )
+        ins_ok = functools.reduce(lax.bitwise_and, finite[len(out_ix) :], _TRUE)
+        outs_ok = functools.reduce(lax.bitwise_and, finite[: len(out_ix)])
+        made_ = lax.bitwise_and(ins_ok, lax.bitwise_not(outs_ok))
         made = log.add(2, lax.select(made_, _ZEROS, _NEVERS))
-    log.sites.append(_site(eqn, log.ctx, out_ix, in_ix, flush, made))
-
-
-def _site(eqn: Any, ctx: _Ctx, *entries: Any) -> Site:
-    names = f"{ctx.names}/{eqn.source_info.name_stack}"
-    dtype = next(v.aval.dtype.name for v in eqn.outvars if _floating(v))
-    ins = ", ".join(v.aval.str_short() for v in eqn.invars if _floating(v))
+    names = f"{log.names}/{eqn.source_info.name_stack}"
+    dtype = next(v.aval.dtype.name for v in eqn.outvars if is_floating(v))
+    ins = ", ".join(v.aval.str_short() for v in eqn.invars if is_floating(v))
     pass_ = "backward" if BACKWARD in names.split("/") else "forward"
-    site = (pass_, eqn.primitive.name, eqn.source_info, names, dtype, ins, ctx.loop)
-    return Site(*site, *entries)
+    site = (pass_, name, eqn.source_info, names, dtype, ins, log.loop)
+    log.sites.append(Site(*site, out_ix, in_ix, flush, made))
 
 
 def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
-    jaxpr, ctx = closed.jaxpr, log.ctx
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
     seen: dict[Any, int] = {}  # each value measured once, however often read
     alias: dict[Any, Any] = {}  # a value only moved: the one it was moved from
 
@@ -206,29 +172,28 @@ def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
             seen[v] = i
         return i
 
-    for eqn in jaxpr.eqns:
-        invals = [read(v, env) for v in eqn.invars]
-        nested = _NESTED.get(eqn.primitive.name)
-        if nested is not None:
-            names = f"{ctx.names}/{eqn.source_info.name_stack}"
-            outs = nested(eqn, invals, _Log(ctx._replace(names=names)), log)
-        else:
-            outs = bind(eqn, invals)
-            if eqn.primitive.name in _SAME and not is_literal(eqn.invars[0]):
-                source = eqn.invars[0]
-                alias[eqn.outvars[0]] = alias.get(source, (source, invals[0]))
-            elif any(_floating(v) for v in eqn.outvars):
-                _observe_op(eqn, invals, outs, log, index)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v, env) for v in jaxpr.outvars]
+    def step(eqn: Any, invals: list) -> list:
+        name = eqn.primitive.name
+        if name in _NESTED:
+            names = f"{log.names}/{eqn.source_info.name_stack}"
+            return _NESTED[name](eqn, invals, _Log(names, log.loop), log)
+        outs = bind(eqn, invals)
+        if name in _SAME and not is_literal(eqn.invars[0]):
+            source = eqn.invars[0]
+            alias[eqn.outvars[0]] = alias.get(source, (source, invals[0]))
+        elif any(is_floating(v) for v in eqn.outvars):
+            _observe_op(eqn, invals, outs, log, index)
+        return outs
+
+    return interpret(closed, args, step)
 
 
-def _traced(closed: Any, ctx: _Ctx) -> tuple[Callable, list, list]:
+def _traced(closed: Any, names: str, loop: Any) -> tuple[Callable, list, list]:
     """``closed`` as ``fn(*args) -> (outs, record)``, its sites, its record's sizes."""
     sites: list = []
 
     def fn(*args: Any) -> tuple[list, Record]:
-        log = _Log(ctx)
+        log = _Log(names, loop)
         outs = _eval(closed, args, log)
         sites[:] = log.sites
         return outs, log.record()
@@ -239,18 +204,12 @@ def _traced(closed: Any, ctx: _Ctx) -> tuple[Callable, list, list]:
     return fn, sites, [r.shape[0] for r in jax.eval_shape(lambda *a: fn(*a)[1], *specs)]
 
 
-def _call(key: str) -> Callable:
-    def call(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
-        closed = eqn.params[key]
-        name = eqn.params.get("name", "")  # a jit's function name
-        inner.ctx = inner.ctx._replace(names=f"{inner.ctx.names}/{name}")
-        outs = _eval(
-            closed if hasattr(closed, "consts") else as_closed(closed), invals, inner
-        )
-        log.merge(inner.sites, inner.record())
-        return outs
-
-    return call
+def _call(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+    name = eqn.params.get("name", "")  # a jit's function name
+    inner.names += f"/{name}"
+    outs = _eval(program(eqn), invals, inner)
+    log.merge(inner.sites, inner.record())
+    return outs
 
 
 def _idle(sizes: Sequence[int]) -> Record:
@@ -258,59 +217,37 @@ def _idle(sizes: Sequence[int]) -> Record:
     return Record(*(jnp.full(n, v, _F32) for n, v in zip(sizes, _IDLE, strict=True)))
 
 
-def _combine(acc: Record, new: Record, i: Any) -> Record:
-    """A loop's record after iteration ``i``.
-
-    Its figures stop growing after the first iteration an op made a
-    non-finite value, so that op's operands are shown as they were then.
-    """
+def _combine(state: tuple, new: Record) -> tuple:
+    """A loop's record after one more iteration: frozen after its first overflow."""
+    acc, i = state
     made = jnp.minimum(acc.made, jnp.where(new.made < _NEVER, i, _NEVER))
     done = jnp.min(acc.made, initial=_NEVER) < _NEVER
     top = jnp.where(done, acc.top, jnp.maximum(acc.top, new.top))
-    return Record(top, jnp.where(done, acc.flush, acc.flush + new.flush), made)
+    return Record(top, jnp.where(done, acc.flush, acc.flush + new.flush), made), i + 1
 
 
-def _loop(closed: Any, consts: list, init: list, inner: _Log) -> tuple:
-    """The body of a loop over ``(carry, record, i)``, observed, and its sites."""
-    ctx = inner.ctx
-    fn, sites, n = _traced(closed, ctx if ctx.loop else ctx._replace(loop=next(_LOOPS)))
+def _loop(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
+    """A ``scan`` or ``while``, its body's record carried over the iterations."""
+    body = eqn.params["jaxpr" if eqn.primitive.name == "scan" else "body_jaxpr"]
+    fn, sites, n = _traced(body, inner.names, inner.loop or next(_LOOPS))
 
-    def body(carry: tuple, x: Sequence = ()) -> tuple:
-        outs, record = fn(*consts, *carry[0], *x)
-        new = (outs[: len(init)], _combine(carry[1], record, carry[2]), carry[2] + 1)
-        return new, outs[len(init) :]
+    def run(closed: Any) -> Callable:
+        def step(state: tuple, *args: Any) -> tuple:
+            if closed is not body:  # a while's condition: not observed
+                return state, _eval(closed, args, _Log(inner.names, inner.loop))
+            outs, record = fn(*args)
+            return _combine(state, record), outs
 
-    return body, (list(init), _idle(n), jnp.float32(0)), sites
+        return step
 
-
-def _scan(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
-    p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
-    body, start, sites = _loop(p["jaxpr"], invals[:nc], invals[nc : nc + nk], inner)
-    options = {k: p[k] for k in ("length", "reverse", "unroll")}
-    (carry, acc, _), ys = jax.lax.scan(body, start, invals[nc + nk :], **options)
+    (acc, _), outs = loop(eqn, invals, run, (_idle(n), jnp.float32(0)))
     log.merge(sites, acc)
-    return [*carry, *ys]
-
-
-def _while(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
-    p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    body, start, sites = _loop(
-        p["body_jaxpr"], invals[nc : nc + nb], invals[nc + nb :], inner
-    )
-
-    def cond(carry: tuple) -> Any:
-        return _eval(p["cond_jaxpr"], [*invals[:nc], *carry[0]], _Log(inner.ctx))[0]
-
-    carry, acc, _ = jax.lax.while_loop(cond, lambda c: body(c)[0], start)
-    log.merge(sites, acc)
-    return list(carry)
+    return outs
 
 
 def _cond(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
     index, *operands = invals
-    traced = [_traced(b, inner.ctx) for b in eqn.params["branches"]]
+    traced = [_traced(b, inner.names, inner.loop) for b in eqn.params["branches"]]
     sizes = np.array([n for _, _, n in traced])
     starts = np.cumsum(sizes, 0) - sizes
 
@@ -332,26 +269,17 @@ def _cond(eqn: Any, invals: list, inner: _Log, log: _Log) -> list:
 
 
 _LOOPS = itertools.count()
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint")
 _NESTED: dict[str, Callable[[Any, list, _Log, _Log], list]] = {
-    "jit": _call("jaxpr"),
-    "pjit": _call("jaxpr"),
-    "closed_call": _call("call_jaxpr"),
-    "core_call": _call("call_jaxpr"),
-    "custom_jvp_call": _call("call_jaxpr"),
-    "custom_vjp_call": _call("call_jaxpr"),
-    "remat2": _call("jaxpr"),
-    "checkpoint": _call("jaxpr"),
-    "scan": _scan,
-    "while": _while,
+    **dict.fromkeys((*_CALLS, "custom_jvp_call", "custom_vjp_call"), _call),
+    "scan": _loop,
+    "while": _loop,
     "cond": _cond,
 }
 
 
 def observe(closed: Any, args: Sequence[Any]) -> tuple[list, list, Record]:
-    """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`.
-
-    Ops under the name scope `BACKWARD` are the backward pass's.
-    """
-    log = _Log(_Ctx("", None))
+    """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`."""
+    log = _Log("", None)
     outs = _eval(closed, args, log)
     return outs, log.sites, log.record()

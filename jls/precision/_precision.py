@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jls.precision._collectives import compiled_collectives
+from jls.precision._interpret import is_floating as _floating
 from jls.precision._interpret import is_literal, trace
 from jls.precision._primitives import COLLECTIVES, FLOAT32, MATMULS
 
@@ -143,19 +144,15 @@ def _where(eqn: Any) -> str:
         return "?"
     fallback = None
     for frame in frames:
-        parts = frame.file_name.replace("\\", "/").split("/")
+        path = frame.file_name.replace("\\", "/")
         place = f"{os.path.basename(frame.file_name)}:{frame.line_num}"
-        if "site-packages" in parts:
-            inside = parts[
-                parts.index("site-packages") + 1 : parts.index("site-packages") + 2
-            ]
-            if inside and inside[0] in _LIBRARIES:
-                fallback = fallback or place
-                continue
-        elif any(f"/{lib}/_src/" in frame.file_name for lib in _LIBRARIES):
+        installed = path.partition("/site-packages/")[2].split("/")[0]
+        if installed in _LIBRARIES or any(
+            f"/{lib}/_src/" in path for lib in _LIBRARIES
+        ):
             fallback = fallback or place
-            continue
-        return place
+        else:
+            return place
     return fallback or "?"
 
 
@@ -192,11 +189,6 @@ class _Found(NamedTuple):
     numerics: Counter
     collectives: list[Op]
     held: Counter
-
-
-def _floating(var: Any) -> bool:
-    dtype = getattr(var.aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _live(jaxpr: Any) -> set[int]:
