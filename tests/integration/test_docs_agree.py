@@ -389,3 +389,40 @@ def test_the_stall_table_is_the_stored_run():
     for line in stored.splitlines()[:4]:  # each variant's held-out loss
         name, held_out = line.split()[0], line.split()[2]
         assert f" {held_out} " in held_out_row[0], name
+
+
+_SMALL_ROWS = {
+    "plain, carrying 10 more scalars": "plain_scalars",
+    "plain, also checking its gradients": "plain_checked",
+    "jls off (`no_scale(skip_nonfinite=False)`)": "jls_off",
+    "jls default, `tx.update`": "jls_update",
+    "jls default, `jls.train_step`": "jls_train_step",
+    "`optax.apply_if_finite`, static scale": "apply_if_finite",
+}
+
+
+def test_the_small_step_table_is_the_stored_run():
+    # docs/performance.md's "Small steps" ratios (not donated / donated, per
+    # width) and op counts are the CPU-time ratios and ops of
+    # benchmarks/results/cpu/bench_small_step.txt.
+    stored = (ROOT / "benchmarks/results/cpu/bench_small_step.txt").read_text()
+    widths = stored.split("## width ")[1:]
+    assert [w.split(":")[0] for w in widths] == ["32", "4096"]
+    ratios, ops = {}, {}
+    for width, block in zip(("32", "4096"), widths, strict=True):
+        for m in re.finditer(
+            r"^(\w+)( \(donated\))? +[\d.]+ +([\d.]+) .*$", block, re.M
+        ):
+            key = (width, m[1], bool(m[2]))
+            ratios[key] = f"{float(m[3]):.2f}"
+            ops[key] = m[0].split()[-5]
+    page = (ROOT / "docs/performance.md").read_text()
+    page = page.split("## Small steps")[1].split("\n## ")[0]
+    for label, name in _SMALL_ROWS.items():
+        row = re.search(rf"^\| {re.escape(label)} \| (.*) \|$", page, re.M)
+        assert row is not None, label
+        w32, w4096, op_counts, _ = row[1].split(" | ")
+        for width, cell in (("32", w32), ("4096", w4096)):
+            want = f"{ratios[width, name, False]} / {ratios[width, name, True]}"
+            assert cell == want, (label, width)
+        assert op_counts == f"{ops['32', name, False]} / {ops['32', name, True]}"
