@@ -19,9 +19,8 @@ from jls.hooks._hooks import Hook, LossScalingState
 class LossScaling:
     """Loss scaling around an optax optimizer: the object that owns the step.
 
-    `jls.loss_scaling` returns its `gradient_transformation`. It takes hooks,
-    not `jls.loss_scaling`'s feature keywords, so it has no divergence flag
-    unless given one (``hooks=(jls.hooks.Divergence(1000),)``).
+    `jls.loss_scaling` returns its `gradient_transformation`; it takes hooks,
+    not the feature keywords (so no divergence flag unless given one).
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
@@ -31,8 +30,7 @@ class LossScaling:
       **options: refused, naming the hooks a feature keyword stands for.
 
     Attributes:
-      config: the frozen configuration (``inner``, ``scaler``, ``axis_name``,
-        ``hooks``, also attributes).
+      config: the frozen configuration (its fields are attributes too).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
