@@ -103,8 +103,7 @@ def loss_scaling(
       donated: deprecated and ignored (a DeprecationWarning).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; its state is a
-      `LossScalingState`.
+      An ``optax.GradientTransformationExtraArgs`` (state: `LossScalingState`).
 
     Raises:
       TypeError: if ``inner``, ``scaler`` or ``axis_name`` has the wrong type.
@@ -118,8 +117,7 @@ def loss_scaling(
       >>> updates, state = tx.update(grads, state, params)
       >>> updates["w"], jls.metrics(state)["loss_scale"]
       (Array([-0.5, -0.5], dtype=float32), Array(4., dtype=float32))
-      >>> bad = {"w": jnp.array([1.0, jnp.inf])}
-      >>> updates, state = tx.update(bad, state, params)
+      >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.inf])}, state, params)
       >>> updates["w"], jls.metrics(state)["loss_scale"]
       (Array([-0., -0.], dtype=float32), Array(2., dtype=float32))
     """

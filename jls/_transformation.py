@@ -36,11 +36,8 @@ class LossScaling:
       >>> import jax.numpy as jnp, optax, jls
       >>> scaling = jls.LossScaling(optax.sgd(0.5), jls.static_scale(2.0))
       >>> tx = scaling.gradient_transformation()
-      >>> params = jnp.ones(2)
-      >>> params, state = scaling.apply_gradients(
-      ...     jnp.full(2, 2.0), tx.init(params), params
-      ... )
-      >>> params
+      >>> p = jnp.ones(2)
+      >>> scaling.apply_gradients(jnp.full(2, 2.0), tx.init(p), p)[0]
       Array([0.5, 0.5], dtype=float32)
     """
 

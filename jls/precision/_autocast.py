@@ -63,8 +63,7 @@ def autocast(
 
     Example:
       >>> import jax, jax.numpy as jnp, jls
-      >>> def loss(w, x):
-      ...     return jax.nn.logsumexp(x @ w)
+      >>> loss = lambda w, x: jax.nn.logsumexp(x @ w)
       >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
       >>> cast = jls.precision.autocast(loss, jnp.float16)
       >>> report = jls.precision.precision_report(cast, w, x)
