@@ -87,8 +87,7 @@ class StepReport:
       loss: the unscaled loss.
       grads_finite: whether every scaled gradient was finite.
       nonfinite_args: the paths of argument leaves already not finite.
-      first: the first op, in program order, to make inf or nan from finite
-        operands; ``None`` if none.
+      first: the first op to make inf or nan from finite operands, or ``None``.
       least_headroom: the ops nearest their dtype's maximum, nearest first.
       first_flush: the first cast that flushed nonzero values to zero.
     """
