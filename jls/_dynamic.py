@@ -209,24 +209,17 @@ def dynamic_scale(
 ) -> LossScaler:
     """The dynamic loss-scale rule: grow while finite, back off on overflow.
 
-    The knobs past the first few are the peers' variants (docs/scalers.md).
-
     Args:
       init_scale: the first step's scale, in ``[min_scale, max_scale]``.
       growth_factor: multiplies the scale on growth; ``>= 1``.
       backoff_factor: multiplies the scale on back-off; in ``(0, 1]`` (0.5).
       growth_interval: the scale grows on this many consecutive finite steps.
-      first_growth_interval: the first growth after the start or a non-finite
-        step comes on this many finite steps (at least ``growth_interval``).
+      first_growth_interval: the interval after the start or an overflow.
       init_growth_count: the growth count before the first step (to resume).
       saturate_growth: a growth past ``max_scale`` lands on it.
-      backoff_divisor: back off by dividing by this (``>= 1``) instead of
-        multiplying by ``backoff_factor``; not both.
-      backoff_interval: back off once every this many consecutive non-finite
-        steps; a finite step clears the count.
-      hysteresis: tolerate ``hysteresis - 1`` non-finite steps since the last
-        growth, then back off on every one until the scale next grows. Not
-        with ``backoff_interval > 1``.
+      backoff_divisor: divide by this (``>= 1``) instead of ``backoff_factor``.
+      backoff_interval: back off on every this many non-finite steps in a row.
+      hysteresis: tolerate ``hysteresis - 1`` overflows since the last growth.
       consecutive_hysteresis: any finite step restores the hysteresis.
       min_scale: the floor of back-off (may be below 1).
       max_scale: the ceiling of growth.

@@ -155,12 +155,10 @@ def leaves_finite(leaves: list[jax.Array]) -> jax.Array:
 def all_finite(tree: Any) -> jax.Array:
     """Whether every floating (or complex) leaf of ``tree`` is finite.
 
-    Exact, one pass over the tree; works inside ``jit``, ``vmap``, ``pmap`` and
-    ``shard_map``.
+    Exact, one pass; works inside ``jit``, ``vmap``, ``pmap`` and ``shard_map``.
 
     Args:
-      tree: any pytree. Integer, bool and float0 leaves and ``None`` are
-        ignored.
+      tree: any pytree; non-floating leaves and ``None`` are ignored.
 
     Returns:
       A scalar bool array; ``True`` for a tree with nothing to check.

@@ -14,9 +14,8 @@ from jls._tree import loss_scale_state
 def keep_if_skipped(new: Any, old: Any, *opt_states: Any) -> Any:
     """``new`` if the step was applied, else ``old``: state outside the optimizer.
 
-    Call it after the update on state the forward pass wrote (an equinox
-    ``eqx.nn.State``). With several optimizers (a GAN), pass every state whose
-    step wrote ``new``: any skip keeps ``old``.
+    For state the forward pass wrote (an equinox ``eqx.nn.State``); with
+    several optimizers any skip keeps ``old``.
 
     Args:
       new: the state after the step's forward pass (a pytree of arrays).
@@ -27,8 +26,7 @@ def keep_if_skipped(new: Any, old: Any, *opt_states: Any) -> Any:
       ``new`` unless a step in ``opt_states`` was skipped, else ``old``.
 
     Raises:
-      TypeError: if no optimizer state is given, or ``new`` and ``old`` differ
-        in structure.
+      TypeError: if no optimizer state is given, or the structures differ.
       ValueError: if an optimizer state holds no `LossScaleState`, or several.
 
     Example:
@@ -36,11 +34,9 @@ def keep_if_skipped(new: Any, old: Any, *opt_states: Any) -> Any:
       >>> tx = jls.loss_scaling(optax.sgd(0.1), jls.static_scale(8.0))
       >>> params = {"w": jnp.ones(2)}
       >>> opt_state = tx.init(params)
-      >>> stats = {"mean": jnp.zeros(2)}  # say, BatchNorm's running mean
-      >>> new_stats = {"mean": jnp.array([jnp.nan, 1.0])}  # a nan batch's
       >>> bad = {"w": jnp.array([jnp.nan, 1.0])}
       >>> params, opt_state = jls.apply_gradients(tx, bad, opt_state, params)
-      >>> jls.keep_if_skipped(new_stats, stats, opt_state)["mean"]
+      >>> jls.keep_if_skipped(bad, {"w": jnp.zeros(2)}, opt_state)["w"]
       Array([0., 0.], dtype=float32)
     """
     if not opt_states:

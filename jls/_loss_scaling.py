@@ -23,9 +23,8 @@ from jls.hooks._spikes import SpikeRule
 def metrics(opt_state: Any) -> dict[str, jax.Array]:
     """The loss-scale metrics of a step, for logging.
 
-    Works inside ``jit`` and on the host, on a state batched by ``vmap`` or
-    ``pmap`` too; every value is a plain array. The keys are the same for
-    every scaler, the off switch included.
+    Works inside ``jit``, on the host and on batched states; the keys are the
+    same for every scaler.
 
     Args:
       opt_state: a `LossScaleState` or any optimizer state containing one.
@@ -34,22 +33,16 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       A dict of scalar arrays:
 
       * ``loss_scale``: the scale for the next step (float32).
-      * ``skipped``, ``nonfinite``: whether the latest step's update was
-        dropped, and whether its gradients were not all finite (or its scale
-        out of range); they differ on a veto or with ``skip_nonfinite=False``.
-      * ``consecutive_skips``, ``total_skips``: skipped steps in a row, and
-        so far (retries are not steps).
+      * ``skipped``, ``nonfinite``: the latest step was dropped; its
+        gradients were not all finite (they differ on a veto).
+      * ``consecutive_skips``, ``total_skips``: skipped steps in a row, ever.
       * ``consecutive_nonfinite``: non-finite steps in a row.
       * ``growth_count``: consecutive finite steps towards the next growth.
-      * ``retries``: how often the latest step's gradients were recomputed
-        (``jls.train_step(..., max_retries=n)``).
-      * ``nonfinite_loss``: whether the latest step's loss (``loss=``) was
-        not finite; such a step is skipped with the scale held. On the host
-        (a finished step: no sync), 8 in a row warn (``RuntimeWarning``).
-      * ``diverged``: whether ``max_consecutive_skips`` steps in a row were
-        skipped (`loss_scaling`'s default, 1000; `jls.hooks.Divergence`).
-      * each further hook state's ``metrics()`` (`jls.hooks.builtin_metrics`
-        lists the built-in hooks' keys).
+      * ``retries``: recomputations of the latest step (``max_retries``).
+      * ``nonfinite_loss``: the latest ``loss=`` was not finite (step skipped,
+        scale held; 8 in a row warn on the host).
+      * ``diverged``: ``max_consecutive_skips`` skips in a row happened.
+      * each further hook's ``metrics()`` (`jls.hooks.builtin_metrics`).
 
     Example:
       >>> import jls
@@ -91,37 +84,29 @@ def loss_scaling(
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax optimizer with loss scaling.
 
-    ``update`` takes the SCALED gradients (of ``jls.scale_loss(loss, state)``).
-    When every unscaled gradient is finite it unscales them and runs
-    ``inner``; otherwise it returns zero updates and leaves ``inner``'s state
-    bitwise unchanged. Either way it adjusts the loss scale. Put it outermost
-    (``docs/howto/accumulation.md``).
+    ``update`` takes the SCALED gradients. When all are finite it unscales
+    them and runs ``inner``; otherwise it returns zero updates and leaves
+    ``inner``'s state unchanged. Either way it adjusts the scale.
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
       scaler: a `LossScaler`; default ``jls.dynamic_scale()``.
-      axis_name: the ``pmap``/``shard_map`` axis (or axes) over which replicas
-        agree on the skip and the scale (not needed under ``jit``); a dict
-        says which gradients each axis shards (docs/parallelism.md).
-      hooks: more `jls.hooks.Hook` objects, consulted after those the keywords
-        below stand for (`LossScaling` takes the hooks only).
+      axis_name: the ``pmap``/``shard_map`` axis (or axes, or a dict of them)
+        the replicas agree over; not needed under ``jit`` (docs/parallelism.md).
+      hooks: more `jls.hooks.Hook` objects, run after the keywords' hooks.
       diagnostics: add `jls.hooks.Diagnostics` (which leaves were not finite).
-      max_consecutive_skips: the limit of `jls.hooks.Divergence` (the sticky
-        ``diverged`` flag); ``None``: no flag.
+      max_consecutive_skips: `jls.hooks.Divergence`'s limit; ``None``: none.
       gradient_norm: add `jls.hooks.GradientNorm` (each step's gradient norm).
       skip_spikes: a `jls.hooks.SpikeRule`: skip (or clip) outlier steps.
-      check_replicas: add `jls.hooks.ReplicaCheck`: ``True``, or the
-        data-parallel axes of ``axis_name`` to compare the gradients over.
+      check_replicas: add `jls.hooks.ReplicaCheck`: ``True`` or its axes.
       scale_stats: add `jls.hooks.ScaleStats`: ``True``, a dtype, or the hook.
       donated: deprecated and ignored (a DeprecationWarning).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; its state is a
-      `LossScalingState`.
+      An ``optax.GradientTransformationExtraArgs`` (state: `LossScalingState`).
 
     Raises:
-      TypeError: if ``inner`` is not an optax transformation, ``scaler`` is
-        not a `LossScaler`, or ``axis_name`` is not a str or tuple of str.
+      TypeError: if ``inner``, ``scaler`` or ``axis_name`` has the wrong type.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jls
@@ -132,8 +117,7 @@ def loss_scaling(
       >>> updates, state = tx.update(grads, state, params)
       >>> updates["w"], jls.metrics(state)["loss_scale"]
       (Array([-0.5, -0.5], dtype=float32), Array(4., dtype=float32))
-      >>> bad = {"w": jnp.array([1.0, jnp.inf])}
-      >>> updates, state = tx.update(bad, state, params)
+      >>> updates, state = tx.update({"w": jnp.array([1.0, jnp.inf])}, state, params)
       >>> updates["w"], jls.metrics(state)["loss_scale"]
       (Array([-0., -0.], dtype=float32), Array(2., dtype=float32))
     """
@@ -161,25 +145,20 @@ def apply_gradients(
 ) -> tuple[optax.Params, LossScalingState]:
     """Applies one loss-scaled step to the parameters: the fused path.
 
-    ``tx.update`` then ``optax.apply_updates``, with the same guarantees, but
-    XLA fuses each update into its parameter: no updates tree in memory.
+    ``tx.update`` then ``optax.apply_updates``, fused: no updates tree.
 
     Args:
-      tx: a transformation made by `loss_scaling` (not wrapped further), or
-        a `LossScaling`.
+      tx: a transformation made by `loss_scaling`, or a `LossScaling`.
       grads: the scaled gradients.
       opt_state: ``tx``'s state.
-      params: any pytree, a whole model too (an equinox ``Module``): its
-        floating arrays with a gradient are stepped, other leaves returned.
-      **extra_args: forwarded to the inner optimizer's ``update``;
-        ``loss=`` goes to the hooks that read the loss.
+      params: any pytree (an equinox ``Module`` too); other leaves returned.
+      **extra_args: forwarded to ``inner.update``; ``loss=`` to the hooks.
 
     Returns:
       ``(new_params, new_opt_state)``.
 
     Raises:
-      TypeError: if ``tx`` was not made by `loss_scaling`, or ``opt_state``
-        is not its state.
+      TypeError: if ``tx`` or ``opt_state`` is not from `loss_scaling`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jls

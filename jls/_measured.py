@@ -187,16 +187,13 @@ def measured_scale(
 ) -> LossScaler:
     """A scale chosen from the gradients' measured range: no interval to tune.
 
-    After a finite step the next scale is the largest power of two at which
-    the scaled gradients' largest root-mean-square stays ``margin * headroom``
-    below ``dtype``'s maximum; a non-finite step backs off (docs/scalers.md).
+    After a finite step the next scale is the largest power of two keeping the
+    scaled gradients' largest RMS ``margin * headroom`` below ``dtype``'s max.
 
     Args:
-      margin: the headroom, ``>= 1``, between the scaled gradients' largest
-        root-mean-square and ``dtype``'s maximum.
+      margin: the headroom below ``dtype``'s maximum, ``>= 1``.
       history: finite steps that halve the headroom an overflow added.
-      dtype: the compute dtype whose maximum the scaled gradients are kept
-        below (float16; an fp8 type for fp8 gradients).
+      dtype: the gradients' dtype (float16; an fp8 type).
       init_scale: the first step's scale, a power of two.
       max_growth: the most the scale grows in one step, a power of two ``>= 1``.
       backoff_factor: the back-off, a power of two in (0, 1].
@@ -214,7 +211,6 @@ def measured_scale(
     Example:
       >>> import jax.numpy as jnp, jls
       >>> scaler = jls.measured_scale(margin=2.0**10, init_scale=2.0**15)
-      >>> # Far below the target (2**24), the scale grows by max_growth (2).
       >>> state = scaler.adjust(scaler.init(), True, magnitude=jnp.float32(2.0**-3))
       >>> float(state.scale) == 2.0**16
       True

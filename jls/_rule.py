@@ -41,8 +41,7 @@ def count_if(cond: jax.Array, count: jax.Array, otherwise: jax.Array) -> jax.Arr
 class LossScaler:
     """A loss-scale rule: an immutable, hashable configuration.
 
-    Make one with `jls.dynamic_scale`, `jls.measured_scale`,
-    `jls.static_scale`, `jls.no_scale` or a `jls.presets` preset.
+    Made by `jls.dynamic_scale` and its siblings or a `jls.presets` preset.
 
     Attributes:
       init_scale: the scale of the first step.
@@ -123,18 +122,15 @@ class LossScaler:
         Args:
           state: the current `LossScaleState`.
           grads_finite: a scalar bool, whether the gradients were all finite.
-          applied: a scalar bool, whether the update was applied (default:
-            from ``grads_finite``).
-          magnitude: a float32 scalar, the scaled gradients' largest
-            root-mean-square (the measured rule follows it).
-          retries: how many times this step's gradients were recomputed (`retry`).
+          applied: a scalar bool, whether the update was applied.
+          magnitude: a float32 scalar, the scaled gradients' largest RMS.
+          retries: how many times this step's gradients were recomputed.
 
         Returns:
           The next `LossScaleState`.
 
         Raises:
-          TypeError: at trace time, if ``state`` is not a valid `LossScaleState`
-            or ``grads_finite`` is not a scalar bool.
+          TypeError: if ``state`` or ``grads_finite`` has the wrong type.
 
         Example:
           >>> import jls

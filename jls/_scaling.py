@@ -159,8 +159,7 @@ def scale_loss(loss: ArrayLike, opt_state: Any) -> jax.Array:
 
     Args:
       loss: a floating array (usually a scalar).
-      opt_state: any optimizer state that contains exactly one
-        `LossScaleState` (see `loss_scale_state`), or the `LossScaleState`.
+      opt_state: an optimizer state with one `LossScaleState`, or it.
 
     Returns:
       ``loss * scale`` as float32 (float64 for a float64 loss).
@@ -217,8 +216,7 @@ def unscale(tree: Any, opt_state: Any) -> Any:
 
     Args:
       tree: a pytree of (scaled) gradients.
-      opt_state: an optimizer state that contains one `LossScaleState`, or
-        the `LossScaleState`.
+      opt_state: an optimizer state with one `LossScaleState`, or it.
 
     Returns:
       A pytree of the same structure and dtypes.

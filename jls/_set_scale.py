@@ -25,20 +25,16 @@ def set_loss_scale(
 
     Args:
       opt_state: an optimizer state containing one `LossScaleState`, or it.
-      scale: the new scale, a positive normal float32 (traced, a value that
-        would be refused leaves the scale unchanged); or a `LossScaleState`.
-      scaler: the run's `LossScaler`; when given, ``scale`` must lie in its
-        range (`jls.LossScaler.in_range`).
-      reset_counters: restart the counters as ``scaler`` restarts them
-        (needs ``scaler``); by default they are kept.
+      scale: the new scale, a positive normal float32, or a `LossScaleState`.
+      scaler: the run's `LossScaler`; ``scale`` must then lie in its range.
+      reset_counters: restart the counters as ``scaler`` does (default False).
 
     Returns:
       The new state, of the same structure.
 
     Raises:
       TypeError: if an argument has the wrong type.
-      ValueError: if a concrete ``scale`` is not a positive normal float32
-        or outside the scaler's range, or ``reset_counters`` lacks ``scaler``.
+      ValueError: if ``scale`` is refused, or ``reset_counters`` lacks ``scaler``.
 
     Example:
       >>> import jls
@@ -49,9 +45,6 @@ def set_loss_scale(
       >>> state = jls.set_loss_scale(state, 8.0, scaler=scaler, reset_counters=True)
       >>> float(state.scale), int(state.growth_count)
       (8.0, 0)
-      >>> state = jls.set_loss_scale(state, jls.static_scale(4.0).init())
-      >>> float(state.scale)
-      4.0
     """
     if isinstance(opt_state, (int, float)):
         raise TypeError(

@@ -30,9 +30,6 @@ class LossScaleState(NamedTuple):
       >>> state = jls.dynamic_scale(1024.0).init()
       >>> float(state.scale), state.scale.dtype.name, state.total_skips.dtype.name
       (1024.0, 'float32', 'int32')
-      >>> state = jls.dynamic_scale(1024.0).adjust(state, False)  # an overflow
-      >>> float(state.scale), int(state.consecutive_skips)
-      (512.0, 1)
     """
 
     scale: jax.Array

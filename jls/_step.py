@@ -237,25 +237,20 @@ def train_step(
     """Makes a pure, jittable, loss-scaled train step.
 
     Args:
-      loss_fn: ``loss_fn(params, *batch)`` returning a scalar loss, or
-        ``(loss, aux)`` with ``has_aux``; jls scales it in float32.
+      loss_fn: ``loss_fn(params, *batch) -> loss`` (or ``(loss, aux)``).
       tx: a transformation made by `jls.loss_scaling` (or a `jls.LossScaling`).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       max_retries: recompute overflowed gradients up to this many times at
         the backed-off scale; 0 (default) skips the step at once.
-      accumulation_steps: cut each batch into this many micro-batches along
-        the leading axis and accumulate their gradients under one scale.
-      average_over: the ``pmap``/``shard_map`` axis name (or names) to average
-        the gradients and the loss over (docs/parallelism.md).
+      accumulation_steps: micro-batches per batch (along the leading axis).
+      average_over: the axis name (or names) to average gradients and loss over.
 
     Returns:
       ``step(params, opt_state, *batch) -> (params, opt_state, StepOutput)``.
 
     Raises:
-      TypeError: if ``tx`` was not made by `jls.loss_scaling`, ``loss_fn`` is
-        not callable, or ``has_aux`` is not a bool or does not match ``loss_fn``.
-      ValueError: if ``max_retries`` or ``accumulation_steps`` is out of range,
-        or a batch does not split into micro-batches.
+      TypeError: if an argument has the wrong type, or ``has_aux`` is wrong.
+      ValueError: if an argument is out of range, or a batch does not split.
       NameError: at trace time, if an ``average_over`` axis is not bound.
 
     Example:

@@ -19,9 +19,8 @@ from jls.hooks._hooks import Hook, LossScalingState
 class LossScaling:
     """Loss scaling around an optax optimizer: the object that owns the step.
 
-    `jls.loss_scaling` returns its `gradient_transformation`. It takes hooks,
-    not `jls.loss_scaling`'s feature keywords, so it has no divergence flag
-    unless given one (``hooks=(jls.hooks.Divergence(1000),)``).
+    `jls.loss_scaling` returns its `gradient_transformation`; it takes hooks,
+    not the feature keywords (so no divergence flag unless given one).
 
     Args:
       inner: the optimizer to wrap (any ``optax.GradientTransformation``).
@@ -31,18 +30,14 @@ class LossScaling:
       **options: refused, naming the hooks a feature keyword stands for.
 
     Attributes:
-      config: the frozen configuration (``inner``, ``scaler``, ``axis_name``,
-        ``hooks``, also attributes).
+      config: the frozen configuration (its fields are attributes too).
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
       >>> scaling = jls.LossScaling(optax.sgd(0.5), jls.static_scale(2.0))
       >>> tx = scaling.gradient_transformation()
-      >>> params = jnp.ones(2)
-      >>> params, state = scaling.apply_gradients(
-      ...     jnp.full(2, 2.0), tx.init(params), params
-      ... )
-      >>> params
+      >>> p = jnp.ones(2)
+      >>> scaling.apply_gradients(jnp.full(2, 2.0), tx.init(p), p)[0]
       Array([0.5, 0.5], dtype=float32)
     """
 

@@ -48,9 +48,7 @@ def loss_scale_state(opt_state: Any, *, batched: bool = False) -> LossScaleState
       The `LossScaleState`.
 
     Raises:
-      ValueError: if ``opt_state`` holds no `LossScaleState`, or more than one,
-        or holds it below a transformation that hides jls from its caller
-        (the message names the fix; docs/howto/composing.md).
+      ValueError: if it holds none, several, or one hidden by a wrapper.
 
     Warns:
       UserWarning: if it holds it below another transformation's state.

@@ -90,8 +90,7 @@ def nonfinite_paths(opt_state: Any) -> list[str]:
     """On the host (a sync point): the paths of the leaves that were not finite.
 
     Args:
-      opt_state: any optimizer state containing the state of a
-        ``jls.loss_scaling(..., diagnostics=True)`` transformation.
+      opt_state: the state of a ``loss_scaling(..., diagnostics=True)``.
 
     Returns:
       Key paths such as ``"['dense']['kernel']"``, in tree order.

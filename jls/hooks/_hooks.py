@@ -56,14 +56,12 @@ class StepInfo(NamedTuple):
       grads: the scaled gradients, as given to the step.
       scale: the float32 scale they were scaled with.
       finite: whether they are all finite and the scale was in range.
-      norm: the unscaled gradients' global norm (float32) if a hook has
-        ``needs_norm``, else ``None``.
+      norm: the unscaled gradients' global norm if needed, else ``None``.
       loss: the unscaled loss (float32, the replicas' mean), or ``None``.
       applied: whether the update was applied (``None`` in `Hook.veto`).
       loss_scale: the `jls.LossScaleState` after the step (``None`` in veto).
       any_replica: reduces a list of bools over the replicas: true where any is.
-      same_on_replicas: whether a list of float32 scalars is bitwise equal
-        on every replica of ``axis_name``, or of the axes given second.
+      same_on_replicas: whether float32 scalars are equal on every replica.
       axis_name: the transformation's ``axis_name``, as in `HookContext`.
       reads: what the hooks read of the updates, by name (``None`` in veto).
     """
@@ -87,8 +85,7 @@ class Hook:
     """A veto or a statistic the step consults; override what you need.
 
     Subclasses set ``name`` and the flags they need; every method's default
-    does nothing. Make hooks immutable (a frozen dataclass). `jls.metrics`
-    reports a state that is a NamedTuple with a ``metrics(self)`` method.
+    does nothing. Make hooks immutable (a frozen dataclass).
 
     Attributes:
       name: the key of this hook's state, unique among the hooks.

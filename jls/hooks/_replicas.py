@@ -44,14 +44,12 @@ class ReplicaCheck(Hook):
     """Flags finite steps whose gradients differ between replicas.
 
     A step that forgets ``lax.pmean`` steps each replica with its own. This
-    compares each floating leaf's first element, bitwise, across the replicas
-    and reports ``replicas_differ`` and ``replica_mismatches``. Leaves declared
-    sharded over the compared axes are not compared; under
-    ``shard_map(check_vma=True)`` nothing is.
+    compares each floating leaf's first element bitwise across the replicas
+    (``replicas_differ``, ``replica_mismatches``); sharded leaves, and all
+    under ``shard_map(check_vma=True)``, are not compared.
 
     Attributes:
-      axes: the data-parallel axes compared over (``check_replicas="data"``
-        on a data x model mesh); empty: ``axis_name``, then one axis.
+      axes: the data-parallel axes compared over; empty: ``axis_name``, then one axis.
     """
 
     axes: tuple[str, ...] = ()

@@ -56,15 +56,12 @@ def _reduce(a: jax.Array, small: jax.Array) -> tuple[jax.Array, jax.Array]:
 class ScaleStats(Hook):
     """Records what the scale does to the scaled gradients, in a compute dtype.
 
-    Each step this records ``underflow_fraction``, the fraction of entries
-    below the dtype's smallest normal (zeros included), and ``headroom_bits``,
-    ``log2(dtype max / max |g|)`` (``-inf`` after a non-finite step, ``+inf``
-    when every gradient is zero).
+    Records ``underflow_fraction`` (entries below the smallest normal) and
+    ``headroom_bits``, ``log2(dtype max / max |g|)`` (docs/scalers.md).
 
     Attributes:
       dtype: the floating dtype judged against, of at most 32 bits (float16).
-      every: measure the first call and every ``every``-th after it (an int
-        >= 1; default 1: each), holding the last measurement between.
+      every: measure every ``every``-th call (default 1), holding in between.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls

@@ -22,12 +22,9 @@ _ACTIONS = ("skip", "clip")
 class SpikeRule(Hook):
     """Skip a step whose gradient norm (or loss) spikes; hashable, validated.
 
-    A value ``x`` (the unscaled gradients' global norm, or the ``loss=``) is
-    a spike when ``x > limit = mean + threshold * std`` of exponential moving
-    averages over about ``window`` applied steps, once ``warmup`` steps fed
-    them. A spike is skipped (the scale does not back off) or, with
-    ``action="clip"``, applied scaled by ``limit / norm`` (ZClip).
-    ``docs/howto/spikes.md`` shows it at work.
+    A value (the gradient norm, or the ``loss=``) is a spike above
+    ``limit = mean + threshold * std`` of its moving averages; it is skipped
+    (the scale holds) or clipped to ``limit``. See docs/howto/spikes.md.
 
     Attributes:
       threshold: standard deviations above the mean that make a spike; ``> 0``.
@@ -35,8 +32,7 @@ class SpikeRule(Hook):
       window: the statistics' horizon in steps, ``>= 1``.
       watch: ``"norm"`` (default), ``"loss"`` or ``"both"`` (needs ``loss=``).
       patience: spikes in a row after which the statistics restart, ``>= 1``.
-      action: ``"skip"`` (default) drops a spike; ``"clip"`` applies it
-        clipped to ``limit`` (needs ``watch="norm"``).
+      action: ``"skip"`` (default) or ``"clip"`` (needs ``watch="norm"``).
 
     Example:
       >>> import jls

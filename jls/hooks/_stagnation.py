@@ -81,13 +81,11 @@ def _agreed(rows: Any, named: tuple[str, ...]) -> tuple[Any, Any]:
 class Stagnation(Hook):
     """Records ``stagnant_fraction``: how much of the updates rounding loses.
 
-    ``stagnant_fraction`` is, of the entries whose update is nonzero, the
-    fraction left unchanged in their own dtype. ``tx.update`` then needs the
-    parameters (``docs/howto/low_precision_params.md``).
+    Of the entries with a nonzero update, the fraction left unchanged in their
+    dtype; ``tx.update`` needs the parameters.
 
     Attributes:
-      every: the cycle, in applied steps (an int >= 1; default 16): each
-        applied step reads one ``every``-th of each parameter's entries.
+      every: the cycle in applied steps (default 16), reading 1/every each.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls
@@ -158,10 +156,8 @@ class Stagnation(Hook):
 def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
     """Warns (`StagnationWarning`) when the updates are being rounded away.
 
-    Reads `jls.hooks.Stagnation`'s ``stagnant_fraction`` on the host (a
-    sync point) and warns, naming the remedies, once it is at least
-    ``threshold``. It also warns as `jls.metrics` does when the loss itself
-    keeps being non-finite.
+    Reads `jls.hooks.Stagnation`'s ``stagnant_fraction`` on the host (a sync
+    point) and warns, naming the remedies, once it reaches ``threshold``.
 
     Args:
       opt_state: the optimizer state (batched too: the largest member's).
@@ -171,8 +167,7 @@ def warn_if_stagnant(opt_state: Any, threshold: float = 0.9) -> float:
       The fraction read, a Python float.
 
     Raises:
-      ValueError: for a threshold outside ``(0, 1]``, or a state with no
-        `jls.hooks.Stagnation` hook (or several).
+      ValueError: for a bad threshold, or not exactly one Stagnation hook.
       TypeError: inside ``jit``, where it cannot warn.
 
     Example:

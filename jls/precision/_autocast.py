@@ -45,30 +45,25 @@ def autocast(
     """``fn`` with its matmuls in ``dtype`` and its range-sensitive ops in float32.
 
     Matmuls and convolutions compute in ``dtype``; softmax, ``exp``/``log``,
-    powers, sums and means in float32, kept wide until a dtype is required;
-    every other op in its operands' dtype. The arguments are not cast, so
-    float32 parameters get float32 gradients.
+    powers, sums and means in float32; other ops in their operands' dtype.
+    The arguments are not cast (float32 parameters get float32 gradients).
 
     Args:
       fn: the function: a loss, a forward pass, a flax ``apply``.
       dtype: the compute dtype of the matmuls (float16, bfloat16).
-      float32: the ops kept in float32, matmuls too, forward and backward
-        (an LM head and its logsumexp): a name path or a tuple of them,
-        matching whole components of an op's name stack (``jax.named_scope``
-        names, linen module paths: ``"lm_head"``, ``"Decoder/lm_head"``), or
-        a predicate ``(primitive_name, name_stack) -> bool``.
+      float32: the ops kept wholly in float32: a name-stack path
+        (``"Decoder/lm_head"``), a tuple of them, or a predicate
+        ``(primitive_name, name_stack) -> bool``.
 
     Returns:
       A function with ``fn``'s signature and result dtypes.
 
     Raises:
-      TypeError: if ``fn`` is not callable, ``dtype`` is not floating or
-        ``float32`` is none of the above.
+      TypeError: if an argument has the wrong type.
 
     Example:
       >>> import jax, jax.numpy as jnp, jls
-      >>> def loss(w, x):
-      ...     return jax.nn.logsumexp(x @ w)
+      >>> loss = lambda w, x: jax.nn.logsumexp(x @ w)
       >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
       >>> cast = jls.precision.autocast(loss, jnp.float16)
       >>> report = jls.precision.precision_report(cast, w, x)

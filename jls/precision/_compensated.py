@@ -141,16 +141,14 @@ def compensated(
     """Kahan-compensated parameter updates around ``inner``.
 
     Each parameter keeps what ``p + u`` rounded away, as an integer count of a
-    fraction of its last place, and the next update adds it back (with int16,
-    a bfloat16 parameter and its buffer hold float32's 24 bits, for 2 bytes).
+    fraction of its last place, and the next update adds it back.
 
     Args:
       inner: the optimizer whose updates are compensated.
       buffer_dtype: ``"int16"`` (default) or ``"int8"`` (8 bits, 1 byte).
 
     Returns:
-      An optax transformation; its state is a ``CompensatedState``
-      (``inner_state``, ``compensation``).
+      An optax transformation; its state is a ``CompensatedState``.
 
     Raises:
       ValueError: for a ``buffer_dtype`` other than int16 or int8.
@@ -232,17 +230,15 @@ def stochastic_rounding(
     """Stochastically rounded parameter updates around ``inner``.
 
     ``p + u`` is computed in float32 and rounded to the parameter's dtype up
-    or down at random, unbiased (float32 and wider parameters take ``inner``'s
-    update). Each step's key is ``fold_in(key(seed), count)``, or the ``key=``
-    passed to ``update``; each leaf folds in its index, so replicas round alike.
+    or down at random, unbiased (float32 parameters take ``inner``'s update).
+    The key is ``fold_in(key(seed), count)`` or ``update``'s ``key=``.
 
     Args:
       inner: the optimizer whose updated parameters are rounded.
       seed: the default key's seed.
 
     Returns:
-      An optax transformation; its state is a ``StochasticRoundingState``
-      (``inner_state``, ``count``).
+      An optax transformation; its state is a ``StochasticRoundingState``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jls

@@ -39,8 +39,7 @@ class Op(NamedTuple):
       pass_: ``"forward"`` or ``"backward"``.
       primitive: the jax primitive (``exp``, ``dot_general``...).
       where: ``file:line`` of the user's code that made it.
-      layer: ``names in calls``: the name stack and the calls from the loss
-        down (``loss > Block > LayerNorm``).
+      layer: the name stack and calls from the loss down (``loss > Block``).
       dtype: the dtype of its value.
       inputs: the shapes and dtypes of its floating operands.
       in_max: the operands' largest ``|x|`` (inf or nan if an entry is).
@@ -88,8 +87,7 @@ class StepReport:
       loss: the unscaled loss.
       grads_finite: whether every scaled gradient was finite.
       nonfinite_args: the paths of argument leaves already not finite.
-      first: the first op, in program order, to make inf or nan from finite
-        operands; ``None`` if none.
+      first: the first op to make inf or nan from finite operands, or ``None``.
       least_headroom: the ops nearest their dtype's maximum, nearest first.
       first_flush: the first cast that flushed nonzero values to zero.
     """
@@ -184,16 +182,12 @@ def explain_step(
 ) -> StepReport:
     """Runs a step's forward and backward again and says where it overflowed.
 
-    ``loss_fn`` is differentiated with respect to ``args[argnums]``'s
-    floating arrays, its loss scaled as `jls.scale_loss` scales it, and every
-    op of the forward and backward is checked under one ``jit`` (a
-    ``shard_map`` as one op). The cost, a compilation and a run, is paid
-    here only; docs/howto/why_skip.md says more.
+    Every op of the scaled forward and backward is checked under one ``jit``;
+    the cost is paid here only. See docs/howto/why_skip.md.
 
     Args:
       loss_fn: the unscaled loss, as the step differentiates it.
-      opt_state: the state the step ran with (before a skipped step backed
-        the scale off), holding a `jls.LossScaleState`, or the scale itself.
+      opt_state: the state the step ran with (before the back-off), or a scale.
       *args: the step's arguments.
       argnums: which arguments the gradients are taken of.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -201,8 +195,7 @@ def explain_step(
       **kwargs: keyword arguments of ``loss_fn``.
 
     Returns:
-      A ``StepReport``: the first op that overflowed, the ops nearest
-      overflow, the arguments already not finite.
+      A ``StepReport``: the first op that overflowed, and those nearest.
 
     Example:
       >>> import jax.numpy as jnp, jls

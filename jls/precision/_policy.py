@@ -130,9 +130,8 @@ class Policy:
     ) -> Callable[..., Any]:
         """``fn`` autocast to ``compute_dtype``, its results in ``output_dtype``.
 
-        `jls.precision.autocast` (``float32``: the ops it keeps in float32):
-        the arguments are not cast, so the gradients stay in ``param_dtype``.
-        Wrap the loss.
+        `jls.precision.autocast`; the arguments are not cast, so gradients
+        stay in ``param_dtype``.
 
         Example:
           >>> import jax, jax.numpy as jnp, jls

@@ -53,13 +53,10 @@ class PrecisionReport:
     Attributes:
       counts: dtype name -> how many matmuls and convolutions compute in it.
       ops: every matmul and convolution, in program order.
-      info: the range-sensitive ops found in float16 or bfloat16, with
-        their lines (information, not errors).
+      info: the range-sensitive ops found in float16 or bfloat16.
       numerics: op -> dtype name -> count, for the range-sensitive ops
-        (``softmax``, ``exp``, ``log``, ``reduce_sum``...: those
-        `jls.precision.autocast` computes in float32).
-      held: op -> dtype name -> count, for the same ops: the dtype each
-        result is held in (narrower where every use of it is a cast).
+        (those `jls.precision.autocast` computes in float32).
+      held: op -> dtype name -> count: the dtype each such result is held in.
       collectives: every collective of the program, one per dtype it sends.
     """
 
@@ -274,21 +271,18 @@ def precision_report(
 ) -> PrecisionReport:
     """Which dtype each matmul and convolution of ``fn(*args, **kwargs)`` runs in.
 
-    Traces ``fn`` (nothing is executed) and counts its matmuls, its
-    range-sensitive ops and its collectives by dtype. Pass the model as an
-    argument: a model closed over is traced as constants. Of a compiled step
-    it lists only the collectives, XLA partitioner's included.
+    Traces ``fn`` (nothing runs) and counts its matmuls, range-sensitive ops
+    and collectives by dtype. Pass the model as an argument: one closed over
+    is traced as constants.
 
     Args:
-      fn: the function to trace: a forward pass, a loss, a whole train step;
-        or a ``jax.stages.Compiled`` (or ``Lowered``) step, without arguments.
-      *args: its arguments; arrays are traced, other leaves passed as they
-        are.
+      fn: the function to trace, or a ``Compiled``/``Lowered`` step (its
+        collectives only).
+      *args: its arguments; arrays are traced, other leaves passed as is.
       **kwargs: its keyword arguments, likewise.
 
     Returns:
-      A `PrecisionReport`; ``str(report)`` is a short table with the
-      ``file:line`` of every matmul not in the majority dtype.
+      A `PrecisionReport`; ``str(report)`` is a short table.
 
     Example:
       >>> import jax, jax.numpy as jnp, jls
@@ -299,9 +293,6 @@ def precision_report(
       >>> report = jls.precision.precision_report(policy.wrap(loss), w, x)
       >>> report.counts, report.numerics["exp"], report.numerics["reduce_sum"]
       ({'float16': 1}, {'float32': 1}, {'float32': 1})
-      >>> args_only = jls.precision.precision_report(policy.cast_arguments(loss), w, x)
-      >>> args_only.counts, args_only.numerics["exp"]  # the loss in float16 too
-      ({'float16': 1}, {'float16': 1})
       >>> closed = policy.cast_arguments(lambda x: x @ w)  # w closed over
       >>> jls.precision.precision_report(closed, x).counts
       {'float32': 1}

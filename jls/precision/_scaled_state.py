@@ -121,10 +121,7 @@ def scaled_state(
     """``inner`` with its state stored in ``dtype``, scaled per array, run in float32.
 
     Each floating array of ``inner``'s state is stored in ``dtype`` with one
-    float32 power-of-two scale under the dtype's largest (or as signed square
-    roots where its entries span more orders). ``inner`` runs in float32 on
-    the decoded state; wrap `jls.precision.stochastic_rounding` or
-    `jls.precision.compensated` around it and no float32 copy is left.
+    float32 power-of-two scale; ``inner`` runs in float32 on the decoded state.
 
     Args:
       inner: any optax optimizer (extra arguments are forwarded).
@@ -139,10 +136,7 @@ def scaled_state(
     Example:
       >>> import jax.numpy as jnp, optax, jls
       >>> p, zero = jnp.ones(3, jnp.float16), jnp.zeros(3, jnp.float16)
-      >>> adam = optax.adam(1e-3)  # float16 state: eps and the moments are 0
-      >>> adam.update(zero, adam.init(p), p)[0]
-      Array([nan, nan, nan], dtype=float16)
-      >>> tx = jls.precision.scaled_state(adam)
+      >>> tx = jls.precision.scaled_state(optax.adam(1e-3))
       >>> updates, state = tx.update(zero, tx.init(p), p)
       >>> updates, state.inner_state[0].nu.dtype
       (Array([-0., -0., -0.], dtype=float32), dtype('float16'))

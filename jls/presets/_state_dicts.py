@@ -174,11 +174,9 @@ def to_state_dict(
 
     Args:
       scaler: the run's scaler, a dynamic rule the framework's dict can hold.
-      opt_state: an optimizer state containing the run's `LossScaleState`,
-        or the `LossScaleState`.
-      framework: ``"torch"``, ``"paddle"`` (``scale`` a float32 array of shape
-        ``[1]``) or ``"megatron"`` (no config: it is in Megatron's arguments).
-        A disabled torch or Paddle scaler writes ``{}``, as theirs do.
+      opt_state: an optimizer state with the run's `LossScaleState`, or it.
+      framework: ``"torch"``, ``"paddle"`` or ``"megatron"`` (no config); a
+        disabled torch or Paddle scaler writes ``{}``, as theirs do.
 
     Returns:
       The dict, ready for the framework's ``load_state_dict``.
@@ -208,12 +206,10 @@ def from_state_dict(
     """A jls scaler and state resuming ``framework``'s loss scaler checkpoint.
 
     Args:
-      state_dict: the framework's ``state_dict()`` (see `to_state_dict`); an
-        empty one, or ``enabled=False`` (``enable=False``), gives the disabled
-        torch (Paddle) preset.
+      state_dict: the framework's ``state_dict()``; an empty or disabled one
+        gives the disabled preset.
       framework: ``"torch"``, ``"paddle"`` or ``"megatron"``.
-      **kwargs: further arguments of that preset, e.g. ``max_scale``;
-        Megatron's dict holds no config: give the run's (``hysteresis``, ...).
+      **kwargs: further preset arguments (Megatron's config: ``hysteresis``).
 
     Returns:
       ``(scaler, state)``: the dict's scale, config and counters.
