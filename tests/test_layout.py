@@ -278,7 +278,10 @@ def test_one_trace_one_array_check_and_one_bind():
 # The 0.5 refactor's house rules (benchmarks/house.py prints the numbers).
 MAX_FUNCTION_LINES = 80
 MAX_TOP_FILES = 35
-MAX_PACKAGE_LINES = 9000
+# 0.5 (1) ended at 8,831 lines under a cap of 9,000; 0.5 (2)-(4) added the
+# overflow explainer (about 580 lines), float16 collectives, shard
+# declarations and autocast's float32 rule, and cut 780 docstring lines.
+MAX_PACKAGE_LINES = 9300
 MAX_DOCSTRING_SHARE = 0.30
 
 
