@@ -109,7 +109,7 @@ def test_the_off_switch_compiles_to_the_plain_program(donate):
 def _entry_ops(step, *args, donate):
     """The compiled step's instructions but its parameters, and its copies."""
     jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-    text = jitted.lower(*args).compile().as_text()
+    text = jitted.lower(*args).compile().as_text() or ""
     entry = text[text.index("\nENTRY ") :]
     body = entry[: entry.index("\n}")].splitlines()[1:]
     ops = [line for line in body if " parameter(" not in line]
