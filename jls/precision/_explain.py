@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import re
+import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +31,8 @@ _QUICK = {"cpu": {"xla_backend_optimization_level": 0}}
 _WRAPPER = re.compile(r"^(?:transpose|jvp|vmap|pmap|remat|checkpoint|pjit)\((.*)\)$")
 _LIBRARIES = ("flax", "equinox", "optax", "haiku", "jax", "jaxlib")
 _JLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Python's own modules (contextlib's frames, which older jax keeps) are no place.
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 class Op(NamedTuple):
@@ -246,6 +249,8 @@ def _source(names: str, info: Any) -> tuple[str, str]:
         library = tail.split("/")[0] in _LIBRARIES
         place = f"{os.path.basename(frame.file_name)}:{frame.line_num}"
         if tail.split("/")[0] in ("jax", "jaxlib") or "/jax/_src/" in tail:
+            continue
+        if frame.file_name.startswith(_STDLIB) and "-packages" not in frame.file_name:
             continue
         fallback = fallback or place
         where = where or (None if library else place)
