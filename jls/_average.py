@@ -47,12 +47,18 @@ def replicas(axes: tuple[str, ...]) -> int:
         ) from e
 
 
-def share(trainable: Any, summed: Any, axes: tuple[str, ...]) -> float:
-    """``2**-k`` if jax sums a float16 (or narrower) gradient over ``axes``, else 1."""
-    narrow = jax.tree.map(
-        lambda x, s: bool(s) and jnp.finfo(x.dtype).maxexp < 128, trainable, summed
-    )
-    return pow2_at_most_inverse(replicas(axes)) if any(jax.tree.leaves(narrow)) else 1.0
+def share(summed: Any, axes: tuple[str, ...]) -> float:
+    """``2**-k`` if jax sums any gradient over ``axes`` itself, else 1.
+
+    Any: a float32 parameter gathered as float16 (a policy's cast, a gather in
+    the compute dtype) is summed in float16 though its own dtype is float32.
+    """
+    summing = any(map(bool, jax.tree.leaves(summed, is_leaf=_axes)))
+    return pow2_at_most_inverse(replicas(axes)) if summing else 1.0
+
+
+def _axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
 def mean(

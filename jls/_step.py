@@ -146,7 +146,7 @@ def _accumulate(grad: Callable, trainable: Any, scale: jax.Array, batch, k: int)
 def _scaled_grads(grad: Callable, trainable, scale, batch, k: int, average_over):
     """``(grads, loss, aux)`` of one attempt: accumulated, then averaged."""
     trainable, summed = local(trainable, average_over)
-    shared = share(trainable, summed, average_over) if average_over else 1.0
+    shared = share(summed, average_over) if average_over else 1.0
     if shared != 1.0:  # jax sums float16 gradients over replicas (_average)
         scale = scale * jnp.float32(shared)
     if k == 1:

@@ -65,6 +65,23 @@ if PART == "fsdp":
             "next_scale": float(out.next_loss_scale),
             "params": np.asarray(new, np.float32).tolist(),
         }
+    # float32 master parameters gathered in float16 (a policy's cast): jax's
+    # psum_scatter is float16 though the parameter is float32.
+    policy = jls.precision.get_policy("params=float32,compute=float16,output=float32")
+    w32 = jnp.ones(8, jnp.float32)
+    step = jax.jit(
+        jax.shard_map(
+            jls.train_step(policy.wrap(gathered_loss), tx, average_over="data"),
+            mesh=MESH,
+            in_specs=(P("data"), P(), P("data")),
+            out_specs=(P("data"), P(), P()),
+        )
+    )
+    new, _, out = step(on(P("data"), w32), tx.init(w32), on(P("data"), X))
+    report["fsdp_f32_cast"] = {
+        "skipped": bool(out.skipped),
+        "params": np.asarray(new, np.float32).tolist(),
+    }
 
 if PART == "jit":
     AxisType = jax.sharding.AxisType
