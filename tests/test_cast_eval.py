@@ -292,3 +292,23 @@ def test_a_float32_value_the_program_casts_to_float16_is_cast():
 
     ops = _ops(jls.precision.autocast(fn), jnp.zeros(4), X.astype(F16))
     assert ("add", ("float16", "float16"), ("float16",)) in ops
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda s: jax.lax.bitcast_convert_type(s, jnp.int16),
+        lambda s: jax.lax.nextafter(s, jnp.float16(jnp.inf)) - s,
+    ],
+    ids=["bitcast", "nextafter"],
+)
+def test_an_op_that_reads_the_dtype_gets_the_value_in_its_traced_dtype(op):
+    # A sum held wide is a float32 value: a bitcast of it would be two int16s,
+    # a nextafter a float32 step. Such ops take it back in float16.
+    def f(x):
+        return op(jnp.sum(x))
+
+    x = jnp.full(8, 3.0, jnp.float16)
+    got, want = jls.precision.autocast(f)(x), f(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

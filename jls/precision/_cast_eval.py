@@ -35,7 +35,7 @@ from jls.precision._interpret import (
     loop,
     program,
 )
-from jls.precision._primitives import CAST, FLOAT32
+from jls.precision._primitives import CAST, FLOAT32, TRACED_DTYPE
 
 _F32 = np.dtype(np.float32)
 # The keep rule, the name stack a nested program runs under (its own is relative).
@@ -148,7 +148,7 @@ def _apply(eqn: Any, invals: list, dtype: Any, kept: bool = False) -> list:
     if kept and name == "convert_element_type" and _floating(eqn.params["new_dtype"]):
         wide = jnp.promote_types(eqn.params["new_dtype"], _F32)  # not narrowed
         return [cast(invals[0], eqn.invars[0].aval, wide)]
-    if any(_holds_program(v) for v in eqn.params.values()):
+    if name in TRACED_DTYPE or any(map(_holds_program, eqn.params.values())):
         return bind(eqn, as_traced(invals, eqn.invars))
     square = name == "mul" and eqn.invars[0] is eqn.invars[1]  # x * x
     floor = _F32 if name in FLOAT32 or square or kept else None

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 # The matmuls autocast computes in the compute dtype (torch autocast's list).
 CAST = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+# Ops whose result depends on the operand's dtype, not only its value: they
+# take a value autocast holds wide back in its traced dtype.
+TRACED_DTYPE = frozenset({"bitcast_convert_type", "nextafter"})
 
 # Every matmul-like primitive `precision_report` counts, fused and scaled too.
 MATMULS = CAST | frozenset(
