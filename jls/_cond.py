@@ -65,7 +65,7 @@ def select_tree(apply: jax.Array, new: Any, old: Any) -> Any:
     def kept(path: Any, n: Any, o: Any) -> Any:
         if not _is_array(n) or _same_number(n, o):
             return n
-        if _is_number(n) and _is_number(o):
+        if _is_number(o):  # outside a trace the old number itself is kept
             known[:] = known or [_value(apply)]
             if known[0] is not None:
                 return n if known[0] else o

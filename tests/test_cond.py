@@ -420,8 +420,14 @@ def test_equal_python_numbers_are_kept_and_others_selected():
     kept = _cond.select_tree(apply, {"n": 3}, {"n": 3})["n"]
     assert type(kept) is int and kept == 3
     out = _cond.select_tree(apply, {"n": 4, "z": -0.0}, {"n": 3, "z": 0.0})
-    assert int(out["n"]) == 3  # a changed number is selected (as an array)
+    assert type(out["n"]) is int and out["n"] == 3  # outside a trace: the old one
     assert str(float(out["z"])) == "0.0"  # -0.0 and 0.0 are not one number
+    # An old Python number the step turned into an array: the number is kept,
+    # not rounded into the array's dtype (0.1 is no float32).
+    out = _cond.select_tree(apply, {"r": jnp.float32(0.2)}, {"r": 0.1})
+    assert type(out["r"]) is float and out["r"] == 0.1
+    traced = jax.jit(lambda a: _cond.select_tree(a, {"n": jnp.int32(4)}, {"n": 3}))
+    assert int(traced(apply)["n"]) == 3  # under a trace, selected
 
 
 class _Kinds(NamedTuple):
