@@ -1,7 +1,8 @@
 """Data-parallel averaging that gives the single-device step on every mesh.
 
-`mean` averages once, in float32 at least; where jax sums a float16 gradient
-itself, the loss is scaled by `share` and `mean` multiplies it back, exactly.
+`mean` averages once, in float32 at least; where jax sums a gradient itself
+(in the dtype it gathered the parameter in), the loss is scaled by `share` and
+`mean` multiplies it back, exactly.
 """
 
 from __future__ import annotations
@@ -53,12 +54,8 @@ def share(summed: Any, axes: tuple[str, ...]) -> float:
     Any: a float32 parameter gathered as float16 (a policy's cast, a gather in
     the compute dtype) is summed in float16 though its own dtype is float32.
     """
-    summing = any(map(bool, jax.tree.leaves(summed, is_leaf=_axes)))
-    return pow2_at_most_inverse(replicas(axes)) if summing else 1.0
-
-
-def _axes(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+    # ``summed``'s leaves are the axis names: none where jax sums nothing.
+    return pow2_at_most_inverse(replicas(axes)) if jax.tree.leaves(summed) else 1.0
 
 
 def mean(
