@@ -55,6 +55,37 @@ def test_a_flush_to_zero_is_counted():
     assert record.flush[sites[0].flush] == 2
 
 
+def test_a_widening_cast_and_a_negation_are_measured_as_their_operand():
+    # Each keeps every |x|: no site, no flush entry; a narrowing cast has both.
+    x = jnp.array([65504.0, -3.0], F16)
+    _, sites, record = _observe(lambda x: (-x).astype(jnp.float32).astype(F16) * 2, x)
+    assert [s.primitive for s in sites] == ["convert_element_type", "mul"]
+    cast, mul = sites
+    assert (
+        cast.ins == (1,) and cast.flush == 0
+    )  # the operand is x itself and len(record.flush) == 1
+    np.testing.assert_array_equal(record.top, [65504.0, 65504.0, np.inf])
+
+
+def test_values_in_a_row_are_each_measured_by_one_reduction():
+    # x and ten values of one shape: two reductions (8 + 3), each its own max.
+    def chain(x):
+        for k in range(10):
+            x = x + k
+        return x
+
+    x = jnp.array([1.0, -2.0], jnp.float32)
+    closed = jax.make_jaxpr(chain)(x)
+    program = jax.make_jaxpr(lambda x: observe(closed, [x])[2])(x)
+    reductions = [e for e in program.jaxpr.eqns if e.primitive.name == "reduce"]
+    assert [len(e.invars) for e in reductions] == [16, 6]  # operands and inits
+    _, sites, record = _observe(chain, x)
+    expected = [
+        max(abs(1 + s), abs(-2 + s)) for s in [0, 0, 1, 3, 6, 10, 15, 21, 28, 36, 45]
+    ]
+    np.testing.assert_array_equal(record.top, expected)
+
+
 def test_a_loop_gives_the_first_iteration_that_made_a_non_finite_value():
     def grow(c):
         return jax.lax.scan(lambda c, _: (c * 4, None), c, length=10)[0]

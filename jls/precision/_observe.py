@@ -31,6 +31,7 @@ _NEVER = np.float32(np.inf)
 _ZEROS, _NEVERS, _EMPTY = np.zeros(1, _F32), np.full(1, np.inf, _F32), np.zeros(0, _F32)
 _TRUE, _BIG = np.ones(1, bool), np.full(1, np.finfo(_F32).max, _F32)
 _IDLE = (0, 0, np.inf)  # a record's entries where nothing was observed
+_ROW = 8  # values measured by one reduction, at most (`_Log.measure`)
 # The name scope around the backward pass: what tells it from the forward.
 BACKWARD = "jls_backward"
 # An op that only moves values: a non-finite constant it takes (a mask's
@@ -40,12 +41,9 @@ MOVES = frozenset(
     | {"convert_element_type", "copy", "dynamic_update_slice", "scatter", "squeeze"}
     | {"transpose", "slice", "dynamic_slice", "gather", "rev"}
 )
-# Ops that move a value without making or dropping any of it: not observed
-# (their value is measured as the one they moved).
-_SAME = frozenset({"reshape", "broadcast_in_dim", "transpose", "squeeze", "copy"})
-# Ops whose zero from a nonzero operand is an underflow: the casts (checking
-# every product compiles slower; an exp to zero is no underflow).
-_FLUSH = frozenset({"convert_element_type"})
+# Ops whose value has its operand's largest |x|, as a widening cast's (`_cast`):
+# not observed (their value is measured as their operand's).
+_SAME = {"reshape", "broadcast_in_dim", "transpose", "squeeze", "copy", "neg"}
 
 
 class Site(NamedTuple):
@@ -91,41 +89,83 @@ class _Log:
         self.parts: tuple[list, ...] = ([], [], [])
         self.sizes = [0, 0, 0]
         self.values: dict[int, Any] = {}
+        # Values of one aval in a row: measured together when it ends (<= _ROW).
+        self.row: list[tuple[int, Any]] = []
 
     def add(self, k: int, part: Any) -> int:
         self.parts[k].append(part)
         self.sizes[k] += part.shape[0]
         return self.sizes[k] - part.shape[0]
 
+    def measure(self, x: Any) -> int:
+        """``x``'s entry in the record's ``top``."""
+        x, i = jnp.asarray(x), self.sizes[0]
+        if self.row and self.row[0][1].aval != x.aval:
+            self._settle()
+        self.row.append((len(self.parts[0]), x))
+        self.parts[0].append(None)
+        self.sizes[0] += 1
+        if len(self.row) == _ROW or self.loop is not None:  # a loop's flags need it
+            self._settle()
+            self.values[i] = self.parts[0][-1]
+        return i
+
+    def _settle(self) -> None:
+        if self.row:
+            slots, xs = zip(*self.row, strict=True)
+            for slot, top in zip(slots, _measures(xs), strict=True):
+                self.parts[0][slot] = top
+            self.row = []
+
     def merge(self, sites: list, record: Record) -> None:
+        self._settle()
         self.sites += [_shift(s, self.sizes) for s in sites]
         for k, part in enumerate(record):
             self.add(k, part)
 
     def record(self) -> Record:
+        self._settle()
         return Record(*(lax.concatenate(p, 0) if p else _EMPTY for p in self.parts))
 
 
 # The measures are written in lax, not jnp: each jnp function is a jit of
 # its own, a function of its own in the program, and the program compiles
 # several times slower.
-def _measure(x: Any) -> Any:
-    """The largest ``|x|``, float32 ``(1,)`` (no count of infs: slower to compile)."""
-    x = lax.abs(jnp.asarray(x))  # reduced whole: a sharded value is not reshaped
-    return lax.reshape(lax.convert_element_type(_all(lax.reduce_max, x), _F32), (1,))
+def _measures(xs: Sequence[Any]) -> list:
+    """Each one's largest ``|x|``, float32 ``(1,)`` (no count of infs: slower).
+
+    One reduction of arrays of one shape (one kernel compiles and runs faster
+    than one each), in float32 or wider (exact; float16 compiles slower on a
+    CPU), whole (a sharded value is not reshaped).
+    """
+    wide = [lax.convert_element_type(x, jnp.promote_types(x.dtype, _F32)) for x in xs]
+    zeros, dims = [lax.full((), 0, w.dtype) for w in wide], tuple(range(xs[0].ndim))
+    maxima = lambda a, b: [lax.max(x, y) for x, y in zip(a, b, strict=True)]  # noqa: E731
+    tops = lax.reduce([lax.abs(w) for w in wide], zeros, maxima, dims)
+    return [lax.reshape(lax.convert_element_type(t, _F32), (1,)) for t in tops]
 
 
-def _flushed(invals: list, out: Any) -> Any:
-    """How many entries of ``out`` are zero where no operand's is."""
-    lost = lax.eq(out, lax.full_like(out, 0))
-    for x in invals:
-        x = jnp.asarray(x)
-        lost = lax.bitwise_and(lost, lax.ne(x, lax.full_like(x, 0)))
-    return lax.reshape(_all(lax.reduce_sum, lax.convert_element_type(lost, _F32)), (1,))
+def _cast(eqn: Any) -> tuple[bool, bool]:
+    """Whether a cast keeps every value; whether it can flush a nonzero to zero.
+
+    (The only zero called an underflow: an exp's is none; products compile slower.)
+    """
+    a, b = (v.aval.dtype for v in (eqn.invars[0], eqn.outvars[0]))
+    if not (jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)):
+        return False, False
+    a, b = jnp.finfo(a), jnp.finfo(b)
+    widens = b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp
+    return widens, float(b.smallest_subnormal) > float(a.smallest_subnormal)
 
 
-def _all(reduce: Callable, x: Any) -> Any:
-    return reduce(x, tuple(range(x.ndim)))
+def _flushed(x: Any, out: Any) -> Any:
+    """How many entries of a cast's ``out`` are zero where its operand ``x`` is not."""
+    x = jnp.asarray(x)
+    lost = lax.bitwise_and(
+        lax.eq(out, lax.full_like(out, 0)), lax.ne(x, lax.full_like(x, 0))
+    )
+    lost = lax.convert_element_type(lost, _F32)
+    return lax.reshape(lax.reduce_sum(lost, tuple(range(out.ndim))), (1,))
 
 
 def _observe_op(eqn: Any, invals: list, outs: list, log: _Log, index: Callable) -> None:
@@ -140,8 +180,8 @@ def _observe_op(eqn: Any, invals: list, outs: list, log: _Log, index: Callable) 
         if is_floating(v) and (name in MOVES or not is_literal(v))
     )
     flush = made = None
-    if name in _FLUSH and all(np.shape(x) in ((), outs[0].shape) for x in invals):
-        flush = log.add(1, _flushed(invals, outs[0]))
+    if name == "convert_element_type" and _cast(eqn)[1]:
+        flush = log.add(1, _flushed(invals[0], outs[0]))
     if log.loop is not None:  # some value not finite, every operand finite
         finite = [lax.le(log.values[i], _BIG) for i in (*out_ix, *in_ix)]
         ins_ok = functools.reduce(lax.bitwise_and, finite[len(out_ix) :], _TRUE)
@@ -165,9 +205,7 @@ def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
             v, x = alias.get(v, (v, x))
             if v in seen:
                 return seen[v]
-        top = _measure(x)
-        i = log.add(0, top)
-        log.values[i] = top
+        i = log.measure(x)
         if not is_literal(v):
             seen[v] = i
         return i
@@ -178,7 +216,8 @@ def _eval(closed: Any, args: Sequence[Any], log: _Log) -> list:
             names = f"{log.names}/{eqn.source_info.name_stack}"
             return _NESTED[name](eqn, invals, _Log(names, log.loop), log)
         outs = bind(eqn, invals)
-        if name in _SAME and not is_literal(eqn.invars[0]):
+        cast = name == "convert_element_type" and _cast(eqn)[0]
+        if (name in _SAME or cast) and not is_literal(eqn.invars[0]):
             source = eqn.invars[0]
             alias[eqn.outvars[0]] = alias.get(source, (source, invals[0]))
         elif any(is_floating(v) for v in eqn.outvars):
