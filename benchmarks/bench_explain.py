@@ -5,8 +5,9 @@ whether the report names its pass, primitive, line, layer (and loop
 iteration). Cost: on a float16 pre-norm residual network (the model of
 ``examples/why_skip.py``), one ``explain_step`` call (trace, compile and
 run) against one jitted step (``jax.grad`` of the scaled loss: compile and
-first run), and the explainer's program run again against the step's run,
-compiled (medians). Times are the process's CPU time (all its threads), as
+first run), each a fresh one in interleaved calls (medians, and the range of
+the per-call ratio), and the explainer's program run again against the
+step's run, compiled (medians). Times are the process's CPU time (all its threads), as
 the machine is shared.
 
     python benchmarks/bench_explain.py
@@ -51,23 +52,38 @@ def found() -> None:
     print(f"found {hits} of {len(planted_faults.PLANTS)} planted overflows")
 
 
-def cost(width: int, depth: int, batch: int, rounds: int) -> None:
+def _fresh_step():
+    """A new jitted step (``jax.grad`` of the scaled loss): traced and compiled anew."""
+    return jax.jit(
+        lambda p, s, b: jax.grad(lambda p: jls.scale_loss(why_skip.loss_fn(p, b), s))(p)
+    )
+
+
+def cost(width: int, depth: int, batch: int, rounds: int, calls: int) -> None:
     params = why_skip.init(jax.random.key(0), width, depth)
     x = (jax.random.normal(jax.random.key(1), (batch, width)) * 1e-3).astype(
         jnp.float16
     )
     data = (x, jnp.ones((batch, 1), jnp.float32))
     state = jls.dynamic_scale().init()
-    step = jax.jit(
-        lambda p, s, b: jax.grad(lambda p: jls.scale_loss(why_skip.loss_fn(p, b), s))(p)
-    )
-    step_first, _ = _clock(lambda: step(params, state, data))
+    step = _fresh_step()
+    _clock(lambda: step(params, state, data))
     step_run = statistics.median(
         _clock(lambda: step(params, state, data))[0] for _ in range(rounds)
     )
-    call, _ = _clock(
-        lambda: jls.precision.explain_step(why_skip.loss_fn, state, params, data)
-    )
+    firsts, explains = [], []
+    for _ in range(calls):  # interleaved: a fresh step's compile, then one call
+        fresh = _fresh_step()
+        firsts.append(_clock(lambda f=fresh: f(params, state, data))[0])
+        explains.append(
+            _clock(
+                lambda: jls.precision.explain_step(
+                    why_skip.loss_fn, state, params, data
+                )
+            )[0]
+        )
+    step_first, call = statistics.median(firsts), statistics.median(explains)
+    ratios = sorted(e / f for e, f in zip(explains, firsts, strict=True))
     traced = trace(
         _step(why_skip.loss_fn, {0}, False), (_scale_of(state), params, data), {}
     )
@@ -81,7 +97,8 @@ def cost(width: int, depth: int, batch: int, rounds: int) -> None:
     print(f"width {width}, depth {depth}, batch {batch}: {ops} ops observed")
     print(
         f"  explain_step, one call: {call * 1e3:.0f} ms; the step's compile and "
-        f"first run: {step_first * 1e3:.0f} ms; {call / step_first:.2f}x"
+        f"first run: {step_first * 1e3:.0f} ms; {call / step_first:.2f}x "
+        f"(medians of {calls}; per call {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
     )
     print(
         f"  of which its program's compile and first run: {run_first * 1e3:.0f} ms; "
@@ -96,13 +113,14 @@ def main(argv=None) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--rounds", type=int, default=20, help="timed runs per median")
+    parser.add_argument("--calls", type=int, default=7, help="explain_step calls")
     parser.add_argument("--no-plants", action="store_true", help="skip the found count")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     if not args.no_plants:
         found()
     for width, depth, batch in ((32, 4, 64), (256, 8, 256)):
-        cost(width, depth, batch, args.rounds)
+        cost(width, depth, batch, args.rounds, args.calls)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from blocks_model import read_phases
 
-from jls.hooks._blocks import cut_axis, read_block, read_phases
+from jls.hooks._blocks import cut_axis, read_block
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jls.precision import _observe as observing
 from jls.precision._observe import BACKWARD, observe
 
 F16 = jnp.float16
@@ -67,23 +68,38 @@ def test_a_widening_cast_and_a_negation_are_measured_as_their_operand():
     np.testing.assert_array_equal(record.top, [65504.0, 65504.0, np.inf])
 
 
-def test_values_in_a_row_are_each_measured_by_one_reduction():
-    # x and ten values of one shape: two reductions (8 + 3), each its own max.
-    def chain(x):
-        for k in range(10):
-            x = x + k
-        return x
+def _reductions(fn, *args):
+    """The operand counts of the measuring program's reductions."""
+    closed = jax.make_jaxpr(fn)(*args)
+    program = jax.make_jaxpr(lambda *a: observe(closed, a)[2])(*args)
+    eqns = program.jaxpr.eqns
+    return [len(e.invars) // 2 for e in eqns if e.primitive.name == "reduce"]
 
+
+def _chain(x, n=39, y=None):
+    for k in range(n):
+        x = x + k
+        y = None if y is None else y * 2
+    return x, y
+
+
+def test_values_of_one_shape_are_measured_by_one_reduction_each_their_own_max():
+    # x and 39 sums, held 32 at a time: two reductions, each value its own max.
     x = jnp.array([1.0, -2.0], jnp.float32)
-    closed = jax.make_jaxpr(chain)(x)
-    program = jax.make_jaxpr(lambda x: observe(closed, [x])[2])(x)
-    reductions = [e for e in program.jaxpr.eqns if e.primitive.name == "reduce"]
-    assert [len(e.invars) for e in reductions] == [16, 6]  # operands and inits
-    _, sites, record = _observe(chain, x)
-    expected = [
-        max(abs(1 + s), abs(-2 + s)) for s in [0, 0, 1, 3, 6, 10, 15, 21, 28, 36, 45]
-    ]
-    np.testing.assert_array_equal(record.top, expected)
+    assert _reductions(_chain, x) == [32, 8]
+    _, _, record = _observe(_chain, x)
+    sums = np.cumsum([0, *range(39)])
+    np.testing.assert_array_equal(record.top, np.maximum(abs(1 + sums), abs(sums - 2)))
+
+
+def test_values_of_two_shapes_in_turn_are_measured_as_two_groups():
+    x, y = jnp.ones(2, jnp.float32), jnp.ones((3, 3), jnp.float32)
+    assert sorted(_reductions(lambda x, y: _chain(x, 8, y), x, y)) == [9, 9]
+
+
+def test_no_more_than_hold_bytes_are_held(monkeypatch):
+    monkeypatch.setattr(observing, "_HOLD", 16)  # two float32[2]
+    assert _reductions(_chain, jnp.ones(2, jnp.float32)) == [2] * 20
 
 
 def test_a_loop_gives_the_first_iteration_that_made_a_non_finite_value():

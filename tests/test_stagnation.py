@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from blocks_model import read_phases
 
 import jls
-from jls.hooks._blocks import read_phases
 
 
 def _step(tx, fused):

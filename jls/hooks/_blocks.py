@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 ROWS = 16
@@ -24,18 +23,8 @@ def cut_axis(shape: tuple[int, ...], every: int) -> int | None:
     return next((a for a, n in enumerate(shape) if n and n % step == 0), None)
 
 
-def read_phases(shape: tuple[int, ...], every: int) -> np.ndarray:
-    """The step of the cycle at which each entry is read (numpy, a model)."""
-    shape = shape or (1,)
-    cut = cut_axis(shape, every)
-    axis = len(shape) - 1 if cut is None else cut
-    view = [1] * len(shape)
-    view[axis] = -1
-    return np.broadcast_to((np.arange(shape[axis]) % every).reshape(view), shape)
-
-
 def read_block(x: jax.Array, phase: jax.Array, every: int, cut: int) -> jax.Array:
-    """The entries of ``x`` read at ``phase`` (`read_phases`), the cut axis first."""
+    """The entries of ``x`` read at ``phase``, the cut axis first."""
     n = x.shape[cut]
     split = jnp.reshape(x, (*x.shape[:cut], n // every, every, *x.shape[cut + 1 :]))
     read = lax.dynamic_index_in_dim(split, phase, axis=cut + 1, keepdims=False)

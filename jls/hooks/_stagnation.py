@@ -58,7 +58,7 @@ def _entry_counts(new: Any, u: Any, valid: Any) -> tuple[jax.Array, jax.Array]:
 def _blocks(
     p: jax.Array, u: jax.Array, phase: jax.Array, every: int
 ) -> tuple[jax.Array, jax.Array, Any]:
-    """``(p, u, valid)``: the entries of a leaf read at ``phase`` (`read_phases`)."""
+    """``(p, u, valid)``: the entries of a leaf read at ``phase``."""
     cut = cut_axis(tuple(p.shape), every)
     if cut is not None:
         return read_block(p, phase, every, cut), read_block(u, phase, every, cut), True

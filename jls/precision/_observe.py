@@ -31,7 +31,9 @@ _NEVER = np.float32(np.inf)
 _ZEROS, _NEVERS, _EMPTY = np.zeros(1, _F32), np.full(1, np.inf, _F32), np.zeros(0, _F32)
 _TRUE, _BIG = np.ones(1, bool), np.full(1, np.finfo(_F32).max, _F32)
 _IDLE = (0, 0, np.inf)  # a record's entries where nothing was observed
-_ROW = 8  # values measured by one reduction, at most (`_Log.measure`)
+# Values held to be measured together (`_Log.measure`): at most _ROW, and
+# fewer once they hold _HOLD bytes (a large model's values are not kept).
+_ROW, _HOLD = 32, 2**26
 # The name scope around the backward pass: what tells it from the forward.
 BACKWARD = "jls_backward"
 # An op that only moves values: a non-finite constant it takes (a mask's
@@ -89,8 +91,7 @@ class _Log:
         self.parts: tuple[list, ...] = ([], [], [])
         self.sizes = [0, 0, 0]
         self.values: dict[int, Any] = {}
-        # Values of one aval in a row: measured together when it ends (<= _ROW).
-        self.row: list[tuple[int, Any]] = []
+        self.row: list[tuple[int, Any]] = []  # values held, with their slots
 
     def add(self, k: int, part: Any) -> int:
         self.parts[k].append(part)
@@ -99,23 +100,22 @@ class _Log:
 
     def measure(self, x: Any) -> int:
         """``x``'s entry in the record's ``top``."""
-        x, i = jnp.asarray(x), self.sizes[0]
-        if self.row and self.row[0][1].aval != x.aval:
-            self._settle()
-        self.row.append((len(self.parts[0]), x))
-        self.parts[0].append(None)
-        self.sizes[0] += 1
-        if len(self.row) == _ROW or self.loop is not None:  # a loop's flags need it
-            self._settle()
+        x, i = jnp.asarray(x), self.add(0, _ZEROS)  # a placeholder, until measured
+        self.row.append((len(self.parts[0]) - 1, x))
+        held = sum(x.size * x.dtype.itemsize for _, x in self.row)
+        if len(self.row) == _ROW or held >= _HOLD or self.loop is not None:
+            self._settle()  # (a loop's made-flags need each measure at once)
             self.values[i] = self.parts[0][-1]
         return i
 
     def _settle(self) -> None:
-        if self.row:
-            slots, xs = zip(*self.row, strict=True)
+        """Measures the values held: one reduction for those of one aval."""
+        for aval in dict.fromkeys(x.aval for _, x in self.row):
+            same = [(k, x) for k, x in self.row if x.aval == aval]
+            slots, xs = zip(*same, strict=True)
             for slot, top in zip(slots, _measures(xs), strict=True):
                 self.parts[0][slot] = top
-            self.row = []
+        self.row = []
 
     def merge(self, sites: list, record: Record) -> None:
         self._settle()
@@ -322,3 +322,11 @@ def observe(closed: Any, args: Sequence[Any]) -> tuple[list, list, Record]:
     log = _Log("", None)
     outs = _eval(closed, args, log)
     return outs, log.sites, log.record()
+
+
+def tops(xs: Sequence[Any]) -> Any:
+    """Each one's largest ``|x|`` (inf or nan if an entry is), a float32 vector."""
+    log = _Log("", None)
+    for x in xs:
+        log.measure(x)
+    return log.record().top
