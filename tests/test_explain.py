@@ -184,3 +184,18 @@ def test_the_example_scripts_report_is_the_one_the_page_shows():
     assert line and operand and headroom, stored
     for shown in (line[1], operand[1], headroom[1]):
         assert shown in page, shown
+
+
+def test_the_pages_cost_figures_are_the_stored_benchmarks():
+    # docs/howto/why_skip.md quotes benchmarks/results/cpu/bench_explain.txt.
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parents[1]
+    stored = (root / "benchmarks" / "results" / "cpu" / "bench_explain.txt").read_text()
+    page = " ".join((root / "docs" / "howto" / "why_skip.md").read_text().split())
+    rows = re.findall(r"(\d+) ops observed\n.*?; ([\d.]+x) \(medians of (\d+)", stored)
+    assert len(rows) == 2, stored
+    for ops, ratio, _ in rows:
+        assert f"{ratio} " in page and f"({ops} ops" in page, (ops, ratio)
+    assert f"medians of {rows[0][2]} fresh calls" in page
