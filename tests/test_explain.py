@@ -153,6 +153,48 @@ print(r.first.pass_, r.first.primitive, r.first.layer.split()[0], r.first.out_ma
     ]
 
 
+def test_values_on_several_devices_are_measured_each_alone():
+    # One reduction of two values sharded differently would gather them: on
+    # several devices each value is measured alone, and nothing is gathered.
+    code = """
+import re, jax, jax.numpy as jnp, jls
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jls.precision import _explain, _observe
+mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))  # Auto: sharding not in types
+a = jax.device_put(jnp.ones((8, 8), jnp.float16), NamedSharding(mesh, P("data")))
+b = jax.device_put(jnp.ones((8, 8), jnp.float16), NamedSharding(mesh, P(None, "data")))
+f32 = jnp.float32
+loss = lambda a, b: jnp.sum(jnp.tanh(a * 2).astype(f32)) + jnp.sum(jnp.tanh(b * 3))
+together, observe = [], _explain.observe
+def spy(closed, arrays, grouped):
+    together.append(grouped)
+    return observe(closed, arrays, grouped)
+_explain.observe = spy
+jls.precision.explain_step(loss, 1.0, a, b)
+one = jnp.ones((8, 8), jnp.float16)
+jls.precision.explain_step(loss, 1.0, one, one)
+closed = jax.make_jaxpr(loss)(a, b)
+for grouped in (False, True):
+    run = jax.jit(lambda a, b: observe(closed, [a, b], grouped)[2])
+    text = run.lower(a, b).compile().as_text()
+    together.append(len(re.findall(r" (all-gather|all-to-all)(-start)?\\(", text)))
+print(*together)
+"""
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, **env},
+    )
+    assert run.stdout.split()[:3] == ["False", "True", "0"], run.stderr[-2000:]
+    assert int(run.stdout.split()[3]) > 0  # what measuring them together costs
+
+
 def test_nothing_is_loaded_until_asked():
     code = (
         "import sys, jls, optax\n"

@@ -20,10 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jls._loss_scaling import metrics
-from jls.precision._interpret import is_array, trace
+from jls.precision._interpret import is_array, is_program, trace
 from jls.precision._observe import BACKWARD, MOVES, Record, observe, tops
 
 _keystr = jax.tree_util.keystr
+# Primitives that place a program on several devices.
+_SHARDING = frozenset({"sharding_constraint", "shard_map", "device_put", "xla_pmap"})
 # The explanation runs once: its compilation is its cost, and on XLA:CPU
 # the backend's optimisation is most of that (benchmarks/bench_explain.py).
 _QUICK = {"cpu": {"xla_backend_optimization_level": 0}}
@@ -170,6 +172,17 @@ def _step(loss_fn: Callable, nums: set, has_aux: bool) -> Callable:
     return step
 
 
+def _primitives(jaxpr: Any) -> set[str]:
+    """The primitives of a program (closed or not) and of the programs inside it."""
+    names = set()
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        names.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for p in value if isinstance(value, tuple) else (value,):
+                names |= _primitives(p) if is_program(p) else set()
+    return names
+
+
 def _floating(x: Any) -> bool:
     return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -212,10 +225,12 @@ def explain_step(
     scale = _scale_of(opt_state)
     traced = trace(_step(loss_fn, nums, has_aux), (scale, *args), kwargs)
     sites: list = []
+    devices = {d for x in traced.arrays for d in x.sharding.device_set}
+    together = len(devices) == 1 and not _primitives(traced.closed) & _SHARDING
 
     @functools.partial(jax.jit, compiler_options=_QUICK.get(jax.default_backend()))
     def run(arrays: list) -> tuple:
-        (loss, *grads), sites[:], record = observe(traced.closed, arrays)
+        (loss, *grads), sites[:], record = observe(traced.closed, arrays, together)
         # Measured as the ops are: jnp.isfinite's reductions compile slower.
         return loss, record, tops([*grads, *(x for x in arrays if _floating(x))])
 

@@ -7,6 +7,7 @@ are observed inside, any other op with a program (``shard_map``) as one op.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -32,8 +33,11 @@ _ZEROS, _NEVERS, _EMPTY = np.zeros(1, _F32), np.full(1, np.inf, _F32), np.zeros(
 _TRUE, _BIG = np.ones(1, bool), np.full(1, np.finfo(_F32).max, _F32)
 _IDLE = (0, 0, np.inf)  # a record's entries where nothing was observed
 # Values held to be measured together (`_Log.measure`): at most _ROW, and
-# fewer once they hold _HOLD bytes (a large model's values are not kept).
+# fewer once they hold _HOLD bytes (a large model's values are not kept);
+# none on several devices (one reduction of values sharded differently
+# would gather them).
 _ROW, _HOLD = 32, 2**26
+_TOGETHER = contextvars.ContextVar("together", default=True)
 # The name scope around the backward pass: what tells it from the forward.
 BACKWARD = "jls_backward"
 # An op that only moves values: a non-finite constant it takes (a mask's
@@ -103,8 +107,9 @@ class _Log:
         x, i = jnp.asarray(x), self.add(0, _ZEROS)  # a placeholder, until measured
         self.row.append((len(self.parts[0]) - 1, x))
         held = sum(x.size * x.dtype.itemsize for _, x in self.row)
-        if len(self.row) == _ROW or held >= _HOLD or self.loop is not None:
-            self._settle()  # (a loop's made-flags need each measure at once)
+        alone = self.loop is not None or not _TOGETHER.get()  # a loop's flags: now
+        if alone or len(self.row) == _ROW or held >= _HOLD:
+            self._settle()
             self.values[i] = self.parts[0][-1]
         return i
 
@@ -317,11 +322,19 @@ _NESTED: dict[str, Callable[[Any, list, _Log, _Log], list]] = {
 }
 
 
-def observe(closed: Any, args: Sequence[Any]) -> tuple[list, list, Record]:
-    """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`."""
-    log = _Log("", None)
-    outs = _eval(closed, args, log)
-    return outs, log.sites, log.record()
+def observe(
+    closed: Any, args: Sequence[Any], together: bool = True
+) -> tuple[list, list, Record]:
+    """``closed`` run on ``args``: its outputs, its ops' `Site` s, their `Record`.
+
+    ``together``: values may be measured together (the program runs on one device).
+    """
+    log, token = _Log("", None), _TOGETHER.set(together)
+    try:
+        outs = _eval(closed, args, log)
+        return outs, log.sites, log.record()
+    finally:
+        _TOGETHER.reset(token)
 
 
 def tops(xs: Sequence[Any]) -> Any:
