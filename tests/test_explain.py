@@ -165,11 +165,14 @@ a = jax.device_put(jnp.ones((8, 8), jnp.float16), NamedSharding(mesh, P("data"))
 b = jax.device_put(jnp.ones((8, 8), jnp.float16), NamedSharding(mesh, P(None, "data")))
 f32 = jnp.float32
 loss = lambda a, b: jnp.sum(jnp.tanh(a * 2).astype(f32)) + jnp.sum(jnp.tanh(b * 3))
-together, observe = [], _explain.observe
+together, observe, tops = [], _explain.observe, _explain.tops
 def spy(closed, arrays, grouped):
     together.append(grouped)
     return observe(closed, arrays, grouped)
-_explain.observe = spy
+def spy_tops(xs, grouped):  # the gradients' and the arguments' measures
+    together.append(grouped)
+    return tops(xs, grouped)
+_explain.observe, _explain.tops = spy, spy_tops
 jls.precision.explain_step(loss, 1.0, a, b)
 one = jnp.ones((8, 8), jnp.float16)
 jls.precision.explain_step(loss, 1.0, one, one)
@@ -191,8 +194,9 @@ print(*together)
         timeout=300,
         env={**__import__("os").environ, **env},
     )
-    assert run.stdout.split()[:3] == ["False", "True", "0"], run.stderr[-2000:]
-    assert int(run.stdout.split()[3]) > 0  # what measuring them together costs
+    out = run.stdout.split()
+    assert out[:5] == ["False", "False", "True", "True", "0"], run.stderr[-2000:]
+    assert int(out[5]) > 0  # what measuring them together costs
 
 
 def test_nothing_is_loaded_until_asked():
@@ -241,3 +245,28 @@ def test_the_pages_cost_figures_are_the_stored_benchmarks():
     for ops, ratio, _ in rows:
         assert f"{ratio} " in page and f"({ops} ops" in page, (ops, ratio)
     assert f"medians of {rows[0][2]} fresh calls" in page
+
+
+def test_an_fp8_value_is_measured():
+    loss = lambda w: jnp.sum(w.astype(jnp.float8_e4m3fn).astype(jnp.float32) * 2)  # noqa: E731
+    w = jnp.array([300.0, 420.0])  # 420 rounds to 416; 500 would be nan
+    report = jls.precision.explain_step(loss, 1.0, w)
+    cast = next(op for op in report.least_headroom if op.dtype == "float8_e4m3fn")
+    assert cast.out_max == 416.0 and report.grads_finite and report.first is None
+
+
+def test_a_bfloat16_value_is_measured_as_bfloat16_holds_it():
+    # The product's float32 value is 9.0e8; bfloat16 holds 897581056: an op
+    # computed wider is rounded as the step rounds it (no excess precision).
+    b = jnp.array([-3e4, 1.0], jnp.bfloat16)
+    report = jls.precision.explain_step(lambda b: jnp.sum(b * b), 1.0, b)
+    mul = next(op for op in report.least_headroom if op.primitive == "mul")
+    assert mul.out_max == float((b * b)[0]) == 897581056.0
+
+
+def test_finite_float64_values_past_float32s_range_are_finite():
+    with jax.enable_x64(True):
+        w, x = jnp.ones(3), jnp.array([1e300, 1.0])
+        loss = lambda w, x: jnp.sum(w * 1e39) + jnp.sum(x) * 1e-300  # noqa: E731
+        report = jls.precision.explain_step(loss, 1.0, w, x)
+    assert report.grads_finite and report.nonfinite_args == () and report.first is None

@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jls.precision import _observe as observing
+from jls.precision import _measure as measuring
 from jls.precision._observe import BACKWARD, observe
 
 F16 = jnp.float16
@@ -98,7 +99,7 @@ def test_values_of_two_shapes_in_turn_are_measured_as_two_groups():
 
 
 def test_no_more_than_hold_bytes_are_held(monkeypatch):
-    monkeypatch.setattr(observing, "_HOLD", 16)  # two float32[2]
+    monkeypatch.setattr(measuring, "HOLD", 16)  # two float32[2]
     assert _reductions(_chain, jnp.ones(2, jnp.float32)) == [2] * 20
 
 
@@ -133,3 +134,28 @@ def test_the_backward_is_what_runs_under_its_name_scope():
     assert [(s.pass_, s.primitive) for s in sites] == [
         ("forward", "sin"), ("forward", "cos"), ("backward", "mul")
     ]  # fmt: skip
+
+
+def _temp_bytes(fn, *args):
+    closed = jax.make_jaxpr(fn)(*args)
+    run = jax.jit(lambda *a: observe(closed, a)[2])
+    return run.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("hold", [2**21, 2**30])
+def test_values_held_together_take_at_most_hold_more_memory(monkeypatch, hold):
+    # Eight 1 MiB activations (of one shape), measured alone or held together.
+    def layers(x, w):
+        for i in range(8):
+            x = x @ w + i
+        return x
+
+    x, w = jnp.ones((1024, 256), jnp.float32), jnp.full((256, 256), 1e-3)
+    monkeypatch.setattr(measuring, "ROW", 1)
+    alone = _temp_bytes(layers, x, w)
+    monkeypatch.setattr(measuring, "ROW", 32)
+    monkeypatch.setattr(measuring, "HOLD", hold)
+    extra = _temp_bytes(layers, x, w) - alone
+    # 2 MiB held, and the two values of the reduction that settles it; with no
+    # such bound, more.
+    assert (extra <= 2**21 + 2 * 2**20) == (hold == 2**21), extra

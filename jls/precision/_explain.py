@@ -27,8 +27,11 @@ _keystr = jax.tree_util.keystr
 # Primitives that place a program on several devices.
 _SHARDING = frozenset({"sharding_constraint", "shard_map", "device_put", "xla_pmap"})
 # The explanation runs once: its compilation is its cost, and on XLA:CPU
-# the backend's optimisation is most of that (benchmarks/bench_explain.py).
-_QUICK = {"cpu": {"xla_backend_optimization_level": 0}}
+# the backend's optimisation is most of that (benchmarks/bench_explain.py),
+# unless a loop runs long (a while, a scan of more than _LONG steps).
+_QUICK, _LONG = {"cpu": {"xla_backend_optimization_level": 0}}, 5000
+# Values as their dtype holds them: no op computed in a wider type unrounded.
+_EXACT = {"xla_allow_excess_precision": False}
 
 _WRAPPER = re.compile(r"^(?:transpose|jvp|vmap|pmap|remat|checkpoint|pjit)\((.*)\)$")
 _LIBRARIES = ("flax", "equinox", "optax", "haiku", "jax", "jaxlib")
@@ -172,15 +175,15 @@ def _step(loss_fn: Callable, nums: set, has_aux: bool) -> Callable:
     return step
 
 
-def _primitives(jaxpr: Any) -> set[str]:
-    """The primitives of a program (closed or not) and of the programs inside it."""
-    names = set()
+def _eqns(jaxpr: Any) -> list:
+    """The equations of a program (closed or not) and of the programs inside it."""
+    eqns = []
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-        names.add(eqn.primitive.name)
+        eqns.append(eqn)
         for value in eqn.params.values():
             for p in value if isinstance(value, tuple) else (value,):
-                names |= _primitives(p) if is_program(p) else set()
-    return names
+                eqns += _eqns(p) if is_program(p) else []
+    return eqns
 
 
 def _floating(x: Any) -> bool:
@@ -226,13 +229,19 @@ def explain_step(
     traced = trace(_step(loss_fn, nums, has_aux), (scale, *args), kwargs)
     sites: list = []
     devices = {d for x in traced.arrays for d in x.sharding.device_set}
-    together = len(devices) == 1 and not _primitives(traced.closed) & _SHARDING
+    eqns = _eqns(traced.closed)
+    together = len(devices) == 1 and not {e.primitive.name for e in eqns} & _SHARDING
+    long = any(
+        e.primitive.name == "while" or e.params.get("length", 0) > _LONG for e in eqns
+    )
+    options = {**_EXACT, **({} if long else _QUICK.get(jax.default_backend(), {}))}
 
-    @functools.partial(jax.jit, compiler_options=_QUICK.get(jax.default_backend()))
+    @functools.partial(jax.jit, compiler_options=options)
     def run(arrays: list) -> tuple:
         (loss, *grads), sites[:], record = observe(traced.closed, arrays, together)
         # Measured as the ops are: jnp.isfinite's reductions compile slower.
-        return loss, record, tops([*grads, *(x for x in arrays if _floating(x))])
+        found = [*grads, *(x for x in arrays if _floating(x))]
+        return loss, record, tops(found, together)
 
     loss, record, measured = jax.device_get(run(traced.arrays))
     n = len(measured) - sum(map(_floating, traced.arrays))  # the gradients'

@@ -7,8 +7,6 @@ are observed inside, any other op with a program (``shard_map``) as one op.
 
 from __future__ import annotations
 
-import contextvars
-import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -18,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jls.precision import _measure
 from jls.precision._interpret import (
     bind,
     interpret,
@@ -26,18 +25,13 @@ from jls.precision._interpret import (
     loop,
     program,
 )
+from jls.precision._measure import TOGETHER, held_bytes, measures
 
 _F32 = np.dtype(np.float32)
 _NEVER = np.float32(np.inf)
 _ZEROS, _NEVERS, _EMPTY = np.zeros(1, _F32), np.full(1, np.inf, _F32), np.zeros(0, _F32)
 _TRUE, _BIG = np.ones(1, bool), np.full(1, np.finfo(_F32).max, _F32)
 _IDLE = (0, 0, np.inf)  # a record's entries where nothing was observed
-# Values held to be measured together (`_Log.measure`): at most _ROW, and
-# fewer once they hold _HOLD bytes (a large model's values are not kept);
-# none on several devices (one reduction of values sharded differently
-# would gather them).
-_ROW, _HOLD = 32, 2**26
-_TOGETHER = contextvars.ContextVar("together", default=True)
 # The name scope around the backward pass: what tells it from the forward.
 BACKWARD = "jls_backward"
 # An op that only moves values: a non-finite constant it takes (a mask's
@@ -94,7 +88,7 @@ class _Log:
         self.names, self.loop, self.sites = names, loop, []
         self.parts: tuple[list, ...] = ([], [], [])
         self.sizes = [0, 0, 0]
-        self.values: dict[int, Any] = {}
+        self.made: list[tuple] = []  # a loop's ops: (entry, outs, ins), flags to come
         self.row: list[tuple[int, Any]] = []  # values held, with their slots
 
     def add(self, k: int, part: Any) -> int:
@@ -105,12 +99,15 @@ class _Log:
     def measure(self, x: Any) -> int:
         """``x``'s entry in the record's ``top``."""
         x, i = jnp.asarray(x), self.add(0, _ZEROS)  # a placeholder, until measured
-        self.row.append((len(self.parts[0]) - 1, x))
-        held = sum(x.size * x.dtype.itemsize for _, x in self.row)
-        alone = self.loop is not None or not _TOGETHER.get()  # a loop's flags: now
-        if alone or len(self.row) == _ROW or held >= _HOLD:
+        if held_bytes(self.row) + x.size * x.dtype.itemsize > _measure.HOLD:
             self._settle()
-            self.values[i] = self.parts[0][-1]
+        self.row.append((len(self.parts[0]) - 1, x))
+        if (
+            not TOGETHER.get()
+            or len(self.row) == _measure.ROW
+            or held_bytes(self.row) >= _measure.HOLD
+        ):
+            self._settle()
         return i
 
     def _settle(self) -> None:
@@ -118,7 +115,7 @@ class _Log:
         for aval in dict.fromkeys(x.aval for _, x in self.row):
             same = [(k, x) for k, x in self.row if x.aval == aval]
             slots, xs = zip(*same, strict=True)
-            for slot, top in zip(slots, _measures(xs), strict=True):
+            for slot, top in zip(slots, measures(xs), strict=True):
                 self.parts[0][slot] = top
         self.row = []
 
@@ -130,24 +127,25 @@ class _Log:
 
     def record(self) -> Record:
         self._settle()
-        return Record(*(lax.concatenate(p, 0) if p else _EMPTY for p in self.parts))
+        top = lax.concatenate(self.parts[0], 0) if self.parts[0] else _EMPTY
+        if self.made:  # some value not finite, every operand finite
+            fin = lax.concatenate([lax.le(top, lax.full_like(top, _BIG[0])), _TRUE], 0)
+            slots, outs, ins = zip(*self.made, strict=True)
+            outs_ok, ins_ok = (_all_of(fin, ix, len(top)) for ix in (outs, ins))
+            made = lax.select(
+                ins_ok & ~outs_ok, *(np.full(len(slots), v, _F32) for v in (0, np.inf))
+            )
+            for k, slot in enumerate(slots):
+                self.parts[2][slot] = lax.slice(made, (k,), (k + 1,))
+        rest = (lax.concatenate(p, 0) if p else _EMPTY for p in self.parts[1:])
+        return Record(top, *rest)
 
 
-# The measures are written in lax, not jnp: each jnp function is a jit of
-# its own, a function of its own in the program, and the program compiles
-# several times slower.
-def _measures(xs: Sequence[Any]) -> list:
-    """Each one's largest ``|x|``, float32 ``(1,)`` (no count of infs: slower).
-
-    One reduction of arrays of one shape (one kernel compiles and runs faster
-    than one each), in float32 or wider (exact; float16 compiles slower on a
-    CPU), whole (a sharded value is not reshaped).
-    """
-    wide = [lax.convert_element_type(x, jnp.promote_types(x.dtype, _F32)) for x in xs]
-    zeros, dims = [lax.full((), 0, w.dtype) for w in wide], tuple(range(xs[0].ndim))
-    maxima = lambda a, b: [lax.max(x, y) for x, y in zip(a, b, strict=True)]  # noqa: E731
-    tops = lax.reduce([lax.abs(w) for w in wide], zeros, maxima, dims)
-    return [lax.reshape(lax.convert_element_type(t, _F32), (1,)) for t in tops]
+def _all_of(flags: Any, rows: Sequence[tuple], pad: int) -> Any:
+    """Whether each row's ``flags`` are all true (``flags[pad]`` is true)."""
+    width = max(map(len, rows), default=0)
+    ix = np.array([list(r) + [pad] * (width - len(r)) for r in rows], np.int32)
+    return jnp.all(flags[ix.reshape(len(rows), width)], axis=1)
 
 
 def _cast(eqn: Any) -> tuple[bool, bool]:
@@ -187,12 +185,9 @@ def _observe_op(eqn: Any, invals: list, outs: list, log: _Log, index: Callable) 
     flush = made = None
     if name == "convert_element_type" and _cast(eqn)[1]:
         flush = log.add(1, _flushed(invals[0], outs[0]))
-    if log.loop is not None:  # some value not finite, every operand finite
-        finite = [lax.le(log.values[i], _BIG) for i in (*out_ix, *in_ix)]
-        ins_ok = functools.reduce(lax.bitwise_and, finite[len(out_ix) :], _TRUE)
-        outs_ok = functools.reduce(lax.bitwise_and, finite[: len(out_ix)])
-        made_ = lax.bitwise_and(ins_ok, lax.bitwise_not(outs_ok))
-        made = log.add(2, lax.select(made_, _ZEROS, _NEVERS))
+    if log.loop is not None:  # its flag: whether it made a non-finite value
+        made = log.add(2, _NEVERS)  # a placeholder, until `_Log.record`
+        log.made.append((len(log.parts[2]) - 1, out_ix, in_ix))
     names = f"{log.names}/{eqn.source_info.name_stack}"
     dtype = next(v.aval.dtype.name for v in eqn.outvars if is_floating(v))
     ins = ", ".join(v.aval.str_short() for v in eqn.invars if is_floating(v))
@@ -329,17 +324,20 @@ def observe(
 
     ``together``: values may be measured together (the program runs on one device).
     """
-    log, token = _Log("", None), _TOGETHER.set(together)
+    log, token = _Log("", None), TOGETHER.set(together)
     try:
         outs = _eval(closed, args, log)
         return outs, log.sites, log.record()
     finally:
-        _TOGETHER.reset(token)
+        TOGETHER.reset(token)
 
 
-def tops(xs: Sequence[Any]) -> Any:
+def tops(xs: Sequence[Any], together: bool = True) -> Any:
     """Each one's largest ``|x|`` (inf or nan if an entry is), a float32 vector."""
-    log = _Log("", None)
-    for x in xs:
-        log.measure(x)
-    return log.record().top
+    log, token = _Log("", None), TOGETHER.set(together)
+    try:
+        for x in xs:
+            log.measure(x)
+        return log.record().top
+    finally:
+        TOGETHER.reset(token)
