@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import jls
-from jls.precision._explain import _QUICK, _scale_of, _step
+from jls.precision._explain import _EXACT, _QUICK, _scale_of, _step
 from jls.precision._interpret import trace
 from jls.precision._observe import observe
 
@@ -87,7 +87,7 @@ def cost(width: int, depth: int, batch: int, rounds: int, calls: int) -> None:
     traced = trace(
         _step(why_skip.loss_fn, {0}, False), (_scale_of(state), params, data), {}
     )
-    options = _QUICK.get(jax.default_backend())
+    options = {**_EXACT, **_QUICK.get(jax.default_backend(), {})}
     run = jax.jit(lambda a: observe(traced.closed, a)[::2], compiler_options=options)
     run_first, _ = _clock(lambda: run(traced.arrays))
     run_again = statistics.median(
@@ -107,6 +107,72 @@ def cost(width: int, depth: int, batch: int, rounds: int, calls: int) -> None:
     )
 
 
+def _rnn(p, xs):
+    """A float16 recurrent cell scanned over ``xs``' steps."""
+
+    def cell(h, x):
+        h = jnp.tanh(h @ p["w"] + x @ p["u"])
+        return h, h[:, 0]
+
+    h, ys = jax.lax.scan(cell, jnp.zeros((xs.shape[1], 32), jnp.float16), xs)
+    return jnp.mean(h.astype(jnp.float32) ** 2) + jnp.mean(ys.astype(jnp.float32))
+
+
+def _deep(ws, x):
+    """An unrolled float16 MLP of many narrow layers: thousands of tiny ops."""
+    for w in ws:
+        x = jnp.tanh(x @ w) * 1.01
+        x = x + jnp.sin(x) * 1e-3
+    return jnp.mean(x.astype(jnp.float32))
+
+
+def others(calls: int) -> None:
+    """The same ratio on a long scan and on a program of thousands of tiny ops."""
+    key = iter(jax.random.split(jax.random.key(2), 400))
+    f16 = lambda shape, s=0.05: (jax.random.normal(next(key), shape) * s).astype(  # noqa: E731
+        jnp.float16
+    )
+    sizes = [16 + i % 13 for i in range(301)]
+    models = {
+        "a 32-wide cell scanned over 10000 steps": (
+            _rnn,
+            {"w": f16((32, 32)), "u": f16((32, 32))},
+            f16((10000, 8, 32), 1.0),
+        ),
+        "an unrolled MLP of 300 layers, 16-28 wide": (
+            _deep,
+            [f16((a, b), 0.3) for a, b in zip(sizes[:-1], sizes[1:], strict=True)],
+            jnp.ones((4, 16), jnp.float16),
+        ),
+    }
+    state = jls.dynamic_scale().init()
+    for name, (loss, params, x) in models.items():
+        _ratio(name, loss, params, x, state, calls)
+
+
+def _ratio(name: str, loss, params, x, state, calls: int) -> None:
+    """Prints one explain_step call against a fresh step's compile and first run."""
+    firsts, explains = [], []
+    for _ in range(calls):
+        step = jax.jit(
+            lambda p, s, b: jax.grad(lambda p: jls.scale_loss(loss(p, b), s))(p)
+        )
+        firsts.append(_clock(lambda: step(params, state, x))[0])  # noqa: B023
+        explains.append(
+            _clock(lambda: jls.precision.explain_step(loss, state, params, x))[0]
+        )
+    traced = trace(_step(loss, {0}, False), (_scale_of(state), params, x), {})
+    ops = len(observe(traced.closed, traced.arrays)[1])
+    step_first, call = statistics.median(firsts), statistics.median(explains)
+    ratios = sorted(e / f for e, f in zip(explains, firsts, strict=True))
+    print(f"{name}: {ops} ops observed")
+    print(
+        f"  explain_step, one call: {call * 1e3:.0f} ms; the step's compile and "
+        f"first run: {step_first * 1e3:.0f} ms; {call / step_first:.2f}x "
+        f"(medians of {calls}; per call {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=str(__doc__).splitlines()[0],
@@ -121,6 +187,7 @@ def main(argv=None) -> None:
         found()
     for width, depth, batch in ((32, 4, 64), (256, 8, 256)):
         cost(width, depth, batch, args.rounds, args.calls)
+    others(max(3, args.calls // 2))
 
 
 if __name__ == "__main__":
