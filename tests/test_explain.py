@@ -123,6 +123,21 @@ def test_a_flush_to_zero_is_reported_beside():
     assert "first underflow: forward convert_element_type" in str(report)
 
 
+def _on_two_devices(code: str) -> subprocess.CompletedProcess:
+    """``code`` run in a fresh Python on two CPU devices."""
+    env = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, **env},
+    )
+
+
 def test_sharded_arrays_under_jit():
     code = """
 import jax, jax.numpy as jnp, numpy as np, jls
@@ -137,17 +152,7 @@ x = jax.device_put(jnp.full((8, 4), 4.0, jnp.float16), NamedSharding(mesh, P("da
 r = jls.precision.explain_step(loss, 2.0**15, w, x)
 print(r.first.pass_, r.first.primitive, r.first.layer.split()[0], r.first.out_max)
 """
-    env = {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, **env},
-    )
+    run = _on_two_devices(code)
     assert run.stdout.split() == ["backward", "dot_general", "proj", "inf"], run.stderr[
         -2000:
     ]
@@ -183,17 +188,7 @@ for grouped in (False, True):
     together.append(len(re.findall(r" (all-gather|all-to-all)(-start)?\\(", text)))
 print(*together)
 """
-    env = {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-        "JAX_PLATFORMS": "cpu",
-    }
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, **env},
-    )
+    run = _on_two_devices(code)
     out = run.stdout.split()
     assert out[:5] == ["False", "False", "True", "True", "0"], run.stderr[-2000:]
     assert int(out[5]) > 0  # what measuring them together costs
