@@ -139,7 +139,9 @@ def test_the_backward_is_what_runs_under_its_name_scope():
 def _temp_bytes(fn, *args):
     closed = jax.make_jaxpr(fn)(*args)
     run = jax.jit(lambda *a: observe(closed, a)[2])
-    return run.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    memory = run.lower(*args).compile().memory_analysis()
+    assert memory is not None
+    return memory.temp_size_in_bytes
 
 
 @pytest.mark.parametrize("hold", [2**21, 2**30])
