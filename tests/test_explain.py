@@ -265,3 +265,22 @@ def test_finite_float64_values_past_float32s_range_are_finite():
         loss = lambda w, x: jnp.sum(w * 1e39) + jnp.sum(x) * 1e-300  # noqa: E731
         report = jls.precision.explain_step(loss, 1.0, w, x)
     assert report.grads_finite and report.nonfinite_args == () and report.first is None
+
+
+@pytest.mark.parametrize(
+    ("fn", "quick"),
+    [
+        (lambda c: jax.lax.scan(lambda c, _: (c * 2, None), c, length=100)[0], True),
+        (lambda c: jax.lax.scan(lambda c, _: (c * 2, None), c, length=6000)[0], False),
+        (lambda c: jax.lax.while_loop(lambda c: c[0] < 9, lambda c: c * 2, c), False),
+    ],
+)
+def test_a_long_loop_is_compiled_at_the_normal_level(fn, quick):
+    # A loop's run outweighs its compile: the quick (level 0) compile is for
+    # programs whose loops are short; values are always as their dtype holds them.
+    from jls.precision._explain import _QUICK, _eqns, _options
+
+    options = _options(_eqns(jax.make_jaxpr(fn)(jnp.ones(2))))
+    assert options["xla_allow_excess_precision"] is False
+    backend = _QUICK.get(jax.default_backend(), {})
+    assert (backend.items() <= options.items()) == quick or not backend

@@ -186,6 +186,17 @@ def _eqns(jaxpr: Any) -> list:
     return eqns
 
 
+def _options(eqns: list) -> dict:
+    """The explanation's compiler options: quick to compile, unless a loop runs long."""
+    long = any(
+        e.primitive.name == "while"
+        or e.primitive.name == "scan"
+        and e.params["length"] > _LONG
+        for e in eqns
+    )
+    return {**_EXACT, **({} if long else _QUICK.get(jax.default_backend(), {}))}
+
+
 def _floating(x: Any) -> bool:
     return is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -231,12 +242,8 @@ def explain_step(
     devices = {d for x in traced.arrays for d in x.sharding.device_set}
     eqns = _eqns(traced.closed)
     together = len(devices) == 1 and not {e.primitive.name for e in eqns} & _SHARDING
-    long = any(
-        e.primitive.name == "while" or e.params.get("length", 0) > _LONG for e in eqns
-    )
-    options = {**_EXACT, **({} if long else _QUICK.get(jax.default_backend(), {}))}
 
-    @functools.partial(jax.jit, compiler_options=options)
+    @functools.partial(jax.jit, compiler_options=_options(eqns))
     def run(arrays: list) -> tuple:
         (loss, *grads), sites[:], record = observe(traced.closed, arrays, together)
         # Measured as the ops are: jnp.isfinite's reductions compile slower.

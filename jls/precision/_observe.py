@@ -30,7 +30,7 @@ from jls.precision._measure import TOGETHER, held_bytes, measures
 _F32 = np.dtype(np.float32)
 _NEVER = np.float32(np.inf)
 _ZEROS, _NEVERS, _EMPTY = np.zeros(1, _F32), np.full(1, np.inf, _F32), np.zeros(0, _F32)
-_TRUE, _BIG = np.ones(1, bool), np.full(1, np.finfo(_F32).max, _F32)
+_TRUE, _BIG = np.ones(1, bool), np.finfo(_F32).max
 _IDLE = (0, 0, np.inf)  # a record's entries where nothing was observed
 # The name scope around the backward pass: what tells it from the forward.
 BACKWARD = "jls_backward"
@@ -129,7 +129,7 @@ class _Log:
         self._settle()
         top = lax.concatenate(self.parts[0], 0) if self.parts[0] else _EMPTY
         if self.made:  # some value not finite, every operand finite
-            fin = lax.concatenate([lax.le(top, lax.full_like(top, _BIG[0])), _TRUE], 0)
+            fin = lax.concatenate([lax.le(top, lax.full_like(top, _BIG)), _TRUE], 0)
             slots, outs, ins = zip(*self.made, strict=True)
             outs_ok, ins_ok = (_all_of(fin, ix, len(top)) for ix in (outs, ins))
             made = lax.select(
